@@ -1,0 +1,311 @@
+"""One harness for every optimization: the same steps, phases, statistics, JSON and chart for all variants.
+
+A *variant* is a way to run the same model on the same batches (naive, optimized, oracle, peer). Variants are
+interleaved step by step (A B C A B C ...) so that clock drift and thermal changes hit all of them alike, and
+each is reported with the median and the p20-p80 spread of every phase. A difference smaller than that spread
+is not a result.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from .data import PackedBatch
+from .env import environment
+from .profiling import PhaseTimer, SyncCounter, peak_memory, percentiles, reset_peak_memory
+
+
+def _noop(model: nn.Module) -> None:
+    return None
+
+
+def default_inputs(batch: PackedBatch, state: Any = None) -> dict:
+    return batch.model_inputs()
+
+
+@dataclass
+class Variant:
+    """One way of running a step.
+
+    Attributes:
+        name: label in tables and charts.
+        toggles: the switches this variant sets (recorded in the JSON).
+        enable / disable: put the live model into / out of this variant (called around each of its steps).
+        prepare: untimed work per step (e.g. the oracle's prebuilt metadata); its result is passed to ``inputs``.
+        inputs: timed, inside the forward phase: builds the model's keyword arguments from the batch.
+        note: what this variant is faithful to and what it costs (goes into the JSON).
+    """
+
+    name: str
+    toggles: dict = field(default_factory=dict)
+    enable: Callable[[nn.Module], None] = _noop
+    disable: Callable[[nn.Module], None] = _noop
+    prepare: Callable[[PackedBatch], Any] | None = None
+    inputs: Callable[[PackedBatch, Any], dict] = default_inputs
+    note: str = ""
+
+
+@dataclass
+class StepResult:
+    times: dict
+    loss: float | None
+
+
+def _forward_loss(model: nn.Module, kwargs: dict) -> torch.Tensor:
+    out = model(**kwargs)
+    loss = out.loss if hasattr(out, "loss") else out[0]
+    if loss is None:
+        raise ValueError("the model returned no loss: pass labels")
+    return loss
+
+
+def run_step(model: nn.Module, batch: PackedBatch, variant: Variant, *, mode: str, optimizer, timer: PhaseTimer,
+             state: Any = None) -> torch.Tensor:
+    """One step of ``mode`` ('train': forward+backward+optimizer; 'forward': no-grad forward)."""
+    if mode == "train":
+        with timer.phase("step"):
+            with timer.phase("forward"):
+                loss = _forward_loss(model, variant.inputs(batch, state))
+            with timer.phase("backward"):
+                loss.backward()
+            with timer.phase("optimizer"):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    elif mode == "forward":
+        with torch.no_grad(), timer.phase("step"):
+            with timer.phase("forward"):
+                loss = _forward_loss(model, variant.inputs(batch, state))
+    else:
+        raise ValueError(f"mode must be 'train' or 'forward', got {mode!r}")
+    return loss.detach()
+
+
+def make_optimizer(model: nn.Module, lr: float = 1e-6) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (the LoRA adapters under QLoRA). A tiny lr keeps routing stable."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters")
+    return torch.optim.AdamW(params, lr=lr)
+
+
+def run_variants(
+    model: nn.Module,
+    batches: Sequence[PackedBatch],
+    variants: Sequence[Variant],
+    *,
+    steps: int = 10,
+    warmup: int = 2,
+    mode: str = "train",
+    optimizer: torch.optim.Optimizer | None = None,
+    count_syncs: bool = True,
+    progress: bool = True,
+    label: str = "",
+) -> list[dict]:
+    """Run every variant ``warmup + steps`` times, interleaved, on the same batches. Returns one dict each."""
+    if not variants:
+        raise ValueError("no variants to run")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    device = batches[0].input_ids.device
+    if mode == "train":
+        model.train()
+        optimizer = optimizer or make_optimizer(model)
+    else:
+        model.eval()
+    timer = PhaseTimer(device)
+    samples: dict[str, dict[str, list[float]]] = {v.name: {} for v in variants}
+    peaks: dict[str, int] = {v.name: 0 for v in variants}
+    losses: dict[str, list[float]] = {v.name: [] for v in variants}
+    failures: dict[str, str] = {}
+    total = (warmup + steps) * len(variants)
+    t_start = time.time()
+    done = 0
+    for s in range(warmup + steps):
+        batch = batches[s % len(batches)]
+        for v in variants:
+            if v.name in failures:
+                continue
+            try:
+                v.enable(model)
+                state = v.prepare(batch) if v.prepare else None
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                reset_peak_memory(device)
+                loss = run_step(model, batch, v, mode=mode, optimizer=optimizer, timer=timer, state=state)
+                times = timer.collect()
+                peak = peak_memory(device)
+                if peak is not None:
+                    peaks[v.name] = max(peaks[v.name], peak)
+                if s >= warmup:
+                    for phase, ms in times.items():
+                        samples[v.name].setdefault(phase, []).append(ms)
+                    losses[v.name].append(float(loss))
+                del state
+            except torch.cuda.OutOfMemoryError as e:  # report, don't crash the other variants
+                failures[v.name] = f"out of memory: {str(e).splitlines()[0]}"
+                timer.collect() if timer._events else None
+                optimizer.zero_grad(set_to_none=True) if optimizer else None
+                gc.collect()
+                torch.cuda.empty_cache()
+            finally:
+                v.disable(model)
+            done += 1
+            if progress:
+                _progress(label, done, total, t_start)
+    if progress:
+        print(file=sys.stderr)
+
+    results = []
+    for v in variants:
+        entry: dict[str, Any] = {"name": v.name, "toggles": v.toggles, "note": v.note}
+        if v.name in failures:
+            entry["error"] = failures[v.name]
+            results.append(entry)
+            continue
+        for phase in ("forward", "backward", "optimizer", "step"):
+            if phase in samples[v.name]:
+                entry[f"{phase}_ms"] = percentiles(samples[v.name][phase])
+        entry["peak_mem_bytes"] = peaks[v.name] or None
+        entry["loss_median"] = percentiles(losses[v.name])["median"] if losses[v.name] else None
+        results.append(entry)
+
+    if count_syncs:
+        for v, entry in zip(variants, results):
+            if "error" in entry:
+                continue
+            entry.update(count_step_syncs(model, batches[0], v, mode=mode, optimizer=optimizer))
+    return results
+
+
+def count_step_syncs(model: nn.Module, batch: PackedBatch, variant: Variant, *, mode: str, optimizer) -> dict:
+    """Host syncs of one (untimed) step of ``variant``: forward + backward, inside decoder layers, per kind.
+
+    The optimizer step is counted apart (``host_syncs_optimizer``, CUDA only): PyTorch's AdamW keeps its step
+    counters on the host, which a CPU run cannot tell from device reads.
+    """
+    device = batch.input_ids.device
+    variant.enable(model)
+    try:
+        state = variant.prepare(batch) if variant.prepare else None
+        counter = SyncCounter.for_decoder_layers(model, device=device)
+        with counter:
+            if mode == "train":
+                _forward_loss(model, variant.inputs(batch, state)).backward()
+            else:
+                with torch.no_grad():
+                    _forward_loss(model, variant.inputs(batch, state))
+        out = {"host_syncs_per_step": counter.total, "host_syncs_in_layers": counter.in_modules,
+               "host_syncs_by_kind": dict(counter.by_kind)}
+        if mode == "train":
+            opt_counter = SyncCounter(device=device)
+            with opt_counter:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            out["host_syncs_optimizer"] = opt_counter.total if device.type == "cuda" else None
+    finally:
+        variant.disable(model)
+    return out
+
+
+def _progress(label: str, done: int, total: int, t_start: float) -> None:
+    elapsed = time.time() - t_start
+    eta = elapsed / done * (total - done) if done else 0
+    width = 24
+    filled = int(width * done / total)
+    print(f"\r  {label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} steps, {elapsed:5.0f}s "
+          f"(eta {eta:4.0f}s)", end="", file=sys.stderr, flush=True)
+
+
+# --- Results: JSON, table, chart --------------------------------------------------------------------------------
+def make_result(scenario: str, config: dict, variants: list[dict], device, notes: str = "") -> dict:
+    return {"scenario": scenario, "env": environment(device), "config": config, "variants": variants,
+            "notes": notes}
+
+
+def write_json(result: dict, path: str) -> str:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+    return path
+
+
+def _fmt_ms(stat: dict | None) -> str:
+    if not stat or stat.get("n", 0) == 0 or math.isnan(stat["median"]):
+        return "-"
+    return f"{stat['median']:.1f} [{stat['p20']:.1f}-{stat['p80']:.1f}]"
+
+
+def format_table(result: dict) -> str:
+    """A short text table: median [p20-p80] per phase, speedup of the step against the first variant."""
+    rows = result["variants"]
+    base = next((r for r in rows if "step_ms" in r), None)
+    head = f"{'variant':28s} {'forward ms':>22s} {'backward ms':>22s} {'step ms':>22s} {'x step':>7s} " \
+           f"{'syncs':>6s} {'in layers':>9s} {'peak GiB':>8s}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['name']:28s} ERROR: {r['error']}")
+            continue
+        speed = (base["step_ms"]["median"] / r["step_ms"]["median"]) if base and "step_ms" in r else float("nan")
+        peak = r.get("peak_mem_bytes")
+        lines.append(
+            f"{r['name']:28s} {_fmt_ms(r.get('forward_ms')):>22s} {_fmt_ms(r.get('backward_ms')):>22s} "
+            f"{_fmt_ms(r.get('step_ms')):>22s} {speed:7.2f} {str(r.get('host_syncs_per_step', '-')):>6s} "
+            f"{str(r.get('host_syncs_in_layers', '-')):>9s} {(peak / 2**30 if peak else float('nan')):8.2f}"
+        )
+    return "\n".join(lines)
+
+
+def plot_result(result: dict, path: str, phases: Sequence[str] = ("forward", "step"), title: str | None = None) -> str:
+    """Bar chart of each variant's speed against the first one (baseline 1.00x), ratio labels on the bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["variants"] if "error" not in r]
+    phases = [p for p in phases if all(f"{p}_ms" in r for r in rows)]
+    if not rows or not phases:
+        raise ValueError("nothing to plot: no successful variant has the requested phases")
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(rows) * len(phases)), 4.2))
+    width = 0.8 / len(phases)
+    for j, phase in enumerate(phases):
+        base = rows[0][f"{phase}_ms"]["median"]
+        xs = [i + (j - (len(phases) - 1) / 2) * width for i in range(len(rows))]
+        ratios = [base / r[f"{phase}_ms"]["median"] for r in rows]
+        lo = [base / r[f"{phase}_ms"]["p80"] for r in rows]
+        hi = [base / r[f"{phase}_ms"]["p20"] for r in rows]
+        err = [[max(0.0, a - b) for a, b in zip(ratios, lo)], [max(0.0, b - a) for a, b in zip(ratios, hi)]]
+        bars = ax.bar(xs, ratios, width=width, label=f"{phase} (baseline {base:.1f} ms)", yerr=err, capsize=3)
+        for bar, ratio in zip(bars, ratios):
+            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{ratio:.2f}x", ha="center",
+                    va="bottom", fontsize=8)
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([r["name"] for r in rows], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel(f"speed vs {rows[0]['name']} (higher is better)")
+    env = result.get("env", {})
+    where = env.get("gpu_name") or f"CPU ({env.get('cpu_count')} cores)"
+    cfg = result.get("config", {})
+    ax.set_title(title or f"{result.get('scenario')}: {cfg.get('model')} | {cfg.get('tokens_per_step')} tokens/step "
+                 f"| {where}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+__all__ = ["Variant", "default_inputs", "run_step", "make_optimizer", "run_variants", "count_step_syncs",
+           "make_result", "write_json", "format_table", "plot_result"]

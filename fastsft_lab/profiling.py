@@ -1,0 +1,389 @@
+"""Measuring what the optimizations change: host syncs, phase times, memory and profiler traces.
+
+``SyncCounter`` counts operations that force a device->host synchronisation: the CPU stops issuing kernels until
+the GPU has caught up, so the launch queue drains and the GPU idles while Python runs. It works on the CPU too
+(it counts the operations that *would* sync on a GPU), so CPU tests can assert "zero syncs here":
+
+* through a ``TorchDispatchMode``: ``.item()``/``bool()``/``int()`` (``_local_scalar_dense``), ``nonzero``,
+  ``torch.where(cond)``, boolean-mask indexing, ``masked_select``, ``unique``, ``bincount`` (CUDA reads the
+  maximum back), ``repeat_interleave`` without ``output_size``, ``equal``, device->host copies;
+* through Python-level hooks: ``.tolist()``, ``.numpy()``, ``.cpu()`` and printing a tensor (one sync each,
+  however many elements they read).
+
+Only tensors on the counter's compute device count (CUDA in a GPU run, the CPU in a CPU run), so host-side
+bookkeeping done with Python integers is free, as it is on a GPU. On CUDA, ``cross_check=True`` also turns on
+``torch.cuda.set_sync_debug_mode("warn")`` and records how many syncs CUDA itself reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+_ACTIVE: list["SyncCounter"] = []
+_PATCHED: dict[str, Callable] = {}
+_SUPPRESS = [0]  # >0 while inside a counted Python-level call (printing, tolist)
+
+# aten overload packets that always sync (their output size or value depends on device data)
+_ALWAYS_SYNC = {
+    aten._local_scalar_dense: "item",
+    aten.nonzero: "nonzero",
+    aten.masked_select: "masked_select",
+    aten._unique: "unique",
+    aten._unique2: "unique",
+    aten.unique_dim: "unique",
+    aten.unique_consecutive: "unique",
+    aten.bincount: "bincount",
+    aten.equal: "equal",
+    aten.is_nonzero: "item",
+    aten.allclose: "item",
+}
+for _name in ("nonzero_numpy", "argwhere"):
+    if hasattr(aten, _name):
+        _ALWAYS_SYNC[getattr(aten, _name)] = "nonzero"
+
+
+def _is_bool_index(indices) -> bool:
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+
+
+class _SyncMode(TorchDispatchMode):
+    def __init__(self, counter: "SyncCounter"):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kind = self._classify(func, args, kwargs)
+        if kind is not None:
+            self.counter._record(kind)
+        return func(*args, **kwargs)
+
+    def _classify(self, func, args, kwargs) -> str | None:
+        packet = func.overloadpacket
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if packet in _ALWAYS_SYNC:
+            if first is not None and self.counter._on_device(first):
+                # item() on a tensor the dispatcher itself made from a host scalar is not a sync
+                return _ALWAYS_SYNC[packet]
+            return None
+        if packet in (aten.index, aten._unsafe_index) and first is not None and self.counter._on_device(first):
+            return "bool_index" if _is_bool_index(args[1] if len(args) > 1 else kwargs.get("indices")) else None
+        if packet in (aten.index_put, aten.index_put_, aten._index_put_impl_) and first is not None:
+            if self.counter._on_device(first) and _is_bool_index(args[1] if len(args) > 1 else None):
+                return "bool_index"
+            return None
+        if packet is aten.repeat_interleave and first is not None and self.counter._on_device(first):
+            if func is aten.repeat_interleave.Tensor or (len(args) > 1 and isinstance(args[1], torch.Tensor)):
+                if kwargs.get("output_size") is None:
+                    return "repeat_interleave"
+            return None
+        if packet is aten._to_copy and first is not None:
+            dst = kwargs.get("device")
+            if dst is not None and torch.device(dst).type == "cpu" and first.device.type != "cpu" \
+                    and self.counter._on_device(first):
+                return "device_to_host"
+            return None
+        if packet is aten.copy_ and len(args) > 1 and isinstance(args[1], torch.Tensor):
+            dst, src = args[0], args[1]
+            if dst.device.type == "cpu" and src.device.type != "cpu" and self.counter._on_device(src):
+                return "device_to_host"
+        return None
+
+
+def _wrap_python(name: str, kind: str):
+    original = getattr(torch.Tensor, name)
+
+    def wrapper(self, *args, **kwargs):
+        if _ACTIVE and not _SUPPRESS[0] and isinstance(self, torch.Tensor):
+            for counter in _ACTIVE:
+                if counter._on_device(self):
+                    counter._record(kind)
+            _SUPPRESS[0] += 1
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                _SUPPRESS[0] -= 1
+        return original(self, *args, **kwargs)
+
+    wrapper.__name__ = name
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    return original, wrapper
+
+
+_PY_HOOKS = {"tolist": "tolist", "numpy": "numpy", "cpu": "device_to_host", "__repr__": "print",
+             "__str__": "print", "__format__": "print"}
+
+
+def _install_python_hooks() -> None:
+    for name, kind in _PY_HOOKS.items():
+        original, wrapper = _wrap_python(name, kind)
+        _PATCHED[name] = original
+        setattr(torch.Tensor, name, wrapper)
+
+
+def _remove_python_hooks() -> None:
+    for name, original in _PATCHED.items():
+        setattr(torch.Tensor, name, original)
+    _PATCHED.clear()
+
+
+@dataclass
+class SyncReport:
+    total: int
+    by_kind: dict
+    by_module: dict
+    cuda_reported: int | None = None
+
+
+class SyncCounter:
+    """Count host syncs inside a ``with`` block, optionally per module.
+
+    Args:
+        device: the compute device whose tensors count (default: CUDA if available, else CPU).
+        modules: optional ``{name: module}`` to attribute counts to (innermost active module wins);
+            see :meth:`for_decoder_layers`.
+        cross_check: on CUDA, also count the syncs ``torch.cuda.set_sync_debug_mode('warn')`` reports.
+
+    Example::
+
+        with SyncCounter.for_decoder_layers(model) as syncs:
+            model(**batch)
+        assert syncs.in_modules == 0
+    """
+
+    def __init__(self, device: torch.device | str | None = None, modules: dict[str, nn.Module] | None = None,
+                 cross_check: bool = False):
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.modules = modules or {}
+        self.cross_check = cross_check and self.device.type == "cuda"
+        self.by_kind: Counter = Counter()
+        self.by_module: Counter = Counter()
+        self.cuda_reported: int | None = None
+        self._stack: list[str] = []
+        self._hooks: list = []
+        self._mode: _SyncMode | None = None
+        self._warn_ctx = None
+        self._warn_log: list | None = None
+        self._prev_debug_mode = None
+
+    # -- construction helpers
+    @classmethod
+    def for_decoder_layers(cls, model: nn.Module, **kwargs) -> "SyncCounter":
+        from .models import decoder_layers
+
+        layers = decoder_layers(model)
+        return cls(modules={f"layer{i}": layer for i, layer in enumerate(layers)}, **kwargs)
+
+    # -- results
+    @property
+    def total(self) -> int:
+        return sum(self.by_kind.values())
+
+    @property
+    def in_modules(self) -> int:
+        return sum(v for k, v in self.by_module.items() if k != "<outside>")
+
+    def per_module(self) -> dict[str, int]:
+        return {name: self.by_module.get(name, 0) for name in self.modules}
+
+    def report(self) -> SyncReport:
+        return SyncReport(self.total, dict(self.by_kind), dict(self.by_module), self.cuda_reported)
+
+    def reset(self) -> None:
+        self.by_kind.clear()
+        self.by_module.clear()
+
+    # -- internals
+    def _on_device(self, t: torch.Tensor) -> bool:
+        dev = t.device
+        if dev.type == "meta":
+            return False
+        return dev.type == self.device.type
+
+    def _record(self, kind: str) -> None:
+        if _SUPPRESS[0]:
+            return
+        self.by_kind[kind] += 1
+        self.by_module[self._stack[-1] if self._stack else "<outside>"] += 1
+
+    def _push(self, name):
+        def hook(module, args, kwargs=None):
+            self._stack.append(name)
+        return hook
+
+    def _pop(self, name):
+        def hook(module, args, *rest):
+            if self._stack and self._stack[-1] == name:
+                self._stack.pop()
+            elif name in self._stack:
+                self._stack.remove(name)
+        return hook
+
+    def __enter__(self) -> "SyncCounter":
+        for name, module in self.modules.items():
+            self._hooks.append(module.register_forward_pre_hook(self._push(name)))
+            self._hooks.append(module.register_forward_hook(self._pop(name), always_call=True))
+        if not _ACTIVE:
+            _install_python_hooks()
+        _ACTIVE.append(self)
+        self._mode = _SyncMode(self)
+        self._mode.__enter__()
+        if self.cross_check:
+            self._warn_ctx = warnings.catch_warnings(record=True)
+            self._warn_log = self._warn_ctx.__enter__()
+            warnings.simplefilter("always")
+            self._prev_debug_mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cross_check:
+            torch.cuda.set_sync_debug_mode(self._prev_debug_mode)
+            self._warn_ctx.__exit__(*exc)
+            self.cuda_reported = sum(1 for w in self._warn_log if "synchronizing" in str(w.message))
+        self._mode.__exit__(*exc)
+        _ACTIVE.remove(self)
+        if not _ACTIVE:
+            _remove_python_hooks()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._stack.clear()
+
+
+def count_syncs(fn: Callable[[], object], device=None) -> int:
+    """Host syncs that ``fn()`` performs."""
+    with SyncCounter(device=device) as c:
+        fn()
+    return c.total
+
+
+# --- Phase timers -----------------------------------------------------------------------------------------------
+class PhaseTimer:
+    """Time named phases of a step: CUDA events on a GPU (no sync inside the step), perf_counter on a CPU.
+
+    Example::
+
+        timer = PhaseTimer(device)
+        with timer.phase("forward"):
+            loss = model(**batch).loss
+        with timer.phase("backward"):
+            loss.backward()
+        times_ms = timer.collect()   # one sync, at the end
+    """
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+        self._events: list[tuple[str, object, object]] = []
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self._events.append((name, start, end))
+        else:
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._events.append((name, t0, time.perf_counter()))
+
+    def collect(self) -> dict[str, float]:
+        """Milliseconds per phase (summed when a phase repeats); clears the timer."""
+        out: dict[str, float] = defaultdict(float)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            for name, s, e in self._events:
+                out[name] += s.elapsed_time(e)
+        else:
+            for name, s, e in self._events:
+                out[name] += (e - s) * 1e3
+        self._events.clear()
+        return dict(out)
+
+
+def reset_peak_memory(device: torch.device | str | None = None) -> None:
+    device = torch.device(device) if device is not None else None
+    if torch.cuda.is_available() and (device is None or device.type == "cuda"):
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: torch.device | str | None = None) -> int | None:
+    """Peak allocated bytes on a CUDA device since the last reset (None on CPU)."""
+    device = torch.device(device) if device is not None else None
+    if torch.cuda.is_available() and (device is None or device.type == "cuda"):
+        return int(torch.cuda.max_memory_allocated(device))
+    return None
+
+
+def percentiles(values: Iterable[float]) -> dict[str, float]:
+    """median, p20, p80 (linear interpolation), as the harness reports them."""
+    v = sorted(values)
+    if not v:
+        return {"median": float("nan"), "p20": float("nan"), "p80": float("nan"), "n": 0}
+
+    def q(p: float) -> float:
+        x = p * (len(v) - 1)
+        lo = int(x)
+        hi = min(lo + 1, len(v) - 1)
+        return v[lo] + (v[hi] - v[lo]) * (x - lo)
+
+    return {"median": round(q(0.5), 4), "p20": round(q(0.2), 4), "p80": round(q(0.8), 4), "n": len(v)}
+
+
+# --- torch.profiler wrapper ---------------------------------------------------------------------------------------
+@dataclass
+class ProfileResult:
+    table: str
+    trace_path: str | None
+    top_ops: list = field(default_factory=list)
+
+
+def profile(fn: Callable[[], object], *, steps: int = 1, trace_path: str | None = None, top: int = 15,
+            sort_by: str | None = None, record_shapes: bool = False) -> ProfileResult:
+    """Run ``fn`` ``steps`` times under ``torch.profiler``; export a Chrome trace and return the top ops."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as _profile
+
+    activities = [ProfilerActivity.CPU]
+    cuda = torch.cuda.is_available()
+    if cuda:
+        activities.append(ProfilerActivity.CUDA)
+    with _profile(activities=activities, record_shapes=record_shapes) as prof:
+        for _ in range(steps):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
+    key = sort_by or ("self_cuda_time_total" if cuda else "self_cpu_time_total")
+    averages = prof.key_averages()
+    table = averages.table(sort_by=key, row_limit=top)
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    rows = sorted(averages, key=lambda e: getattr(e, attr, 0), reverse=True)[:top]
+    top_ops = [{"name": e.key, "calls": e.count, "self_ms": round(getattr(e, attr, 0) / 1e3, 3)} for e in rows]
+    return ProfileResult(table=table, trace_path=trace_path, top_ops=top_ops)
+
+
+__all__ = ["SyncCounter", "SyncReport", "count_syncs", "PhaseTimer", "reset_peak_memory", "peak_memory",
+           "percentiles", "profile", "ProfileResult"]
