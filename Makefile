@@ -1,0 +1,31 @@
+# Quick start (fresh machine, Python >= 3.10):
+#   make bench   # set up .venv, then run the main job: a benchmark of all three optimizations
+#   make test    # set up .venv, then run the whole test suite, notebooks included (smoke mode)
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+# CPU torch when there is no NVIDIA GPU; the default CUDA build otherwise.
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+# Same command in the README and in .ci/run.
+TEST_CMD = $(BIN)/python -m pytest tests notebooks --nbval-lax --nbval-current-env -p no:cacheprovider
+
+.PHONY: setup bench test clean
+
+$(BIN)/.ready: requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -r requirements.txt
+	$(BIN)/python -m pip install -q --no-deps -e .
+	touch $@
+
+setup: $(BIN)/.ready
+
+bench: $(BIN)/.ready
+	$(BIN)/python -m fastsft_lab bench $(ARGS)
+
+test: $(BIN)/.ready
+	SMOKE=1 MPLBACKEND=Agg $(TEST_CMD)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,200 @@
+"""Command line: ``python -m fastsft_lab bench`` (the main job) and ``python -m fastsft_lab info``.
+
+``bench`` runs the three optimizations' benchmark scenarios on an embedded default: tiny models on a CPU
+(under two minutes), real architectures (random weights, reduced depth where the budget needs it) on a GPU. Each
+scenario writes one JSON per configuration and a chart; a summary table closes the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib
+import json
+import os
+import sys
+import time
+
+import torch
+
+SCENARIOS = {
+    "packed": ("fastsft_lab.packed", "packed-sequence metadata caching (optimization 1)"),
+    "offload": ("fastsft_lab.offload", "double-buffered offloaded checkpointing (optimization 2)"),
+    "moe": ("fastsft_lab.moe", "GPT-OSS MoE routing (optimization 3)"),
+}
+
+
+def _parse_value(text: str):
+    if "," in text:
+        return [_parse_value(t) for t in text.split(",") if t != ""]
+    low = text.lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    if low in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_sets(items: list[str] | None) -> dict[str, dict]:
+    """``--set packed.tokens=4096,16384`` -> {"packed": {"tokens": [4096, 16384]}}."""
+    out: dict[str, dict] = {name: {} for name in SCENARIOS}
+    for item in items or []:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise SystemExit(f"--set expects SCENARIO.KEY=VALUE (e.g. packed.tokens=4096,16384), got {item!r}")
+        key, value = item.split("=", 1)
+        scenario, option = key.split(".", 1)
+        if scenario not in SCENARIOS:
+            raise SystemExit(f"--set: unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
+        out[scenario][option] = _parse_value(value)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m fastsft_lab",
+        description="Benchmarks and tools for fastsft_lab's three fine-tuning optimizations.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    bench = sub.add_parser(
+        "bench", help="benchmark all three optimizations (before/after/peers) on an embedded default",
+        description="Run the benchmark scenarios. On a CPU the default is tiny models (smoke mode, < 2 min); on a "
+                    "GPU the real architectures (random weights). Variants are interleaved step by step; every "
+                    "phase is reported as median [p20-p80].",
+    )
+    bench.add_argument("--only", default=",".join(SCENARIOS),
+                       help=f"comma-separated scenarios to run, from: {', '.join(SCENARIOS)}")
+    bench.add_argument("--out", default=None,
+                       help="output folder for JSON + PNG (default: runs/bench-<device>-<UTC time>, git-ignored)")
+    bench.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    smoke = bench.add_mutually_exclusive_group()
+    smoke.add_argument("--smoke", dest="smoke", action="store_true", default=None,
+                       help="tiny models and sizes (default on a CPU, or when SMOKE=1)")
+    smoke.add_argument("--full", dest="smoke", action="store_false",
+                       help="real architectures and sizes (default on a GPU)")
+    bench.add_argument("--steps", type=int, default=None, help="measured steps per variant (scenario default)")
+    bench.add_argument("--warmup", type=int, default=None, help="warm-up steps per variant (scenario default)")
+    bench.add_argument("--set", action="append", metavar="SCENARIO.KEY=VALUE",
+                       help="scenario option, repeatable; lists are comma-separated "
+                            "(e.g. --set packed.tokens=4096,16384 --set moe.num_layers=8)")
+    bench.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    sub.add_parser("info", help="print the environment, the presets and which attention backends run here")
+    return parser
+
+
+def _default_out(device: torch.device) -> str:
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return os.path.join("runs", f"bench-{device.type}-{stamp}")
+
+
+def run_bench(args) -> int:
+    from .env import default_device, describe, smoke_mode
+
+    device = torch.device(args.device) if args.device else default_device()
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda was asked for, but torch.cuda.is_available() is False on this machine")
+    smoke = smoke_mode() if args.smoke is None else args.smoke
+    if device.type == "cpu" and not smoke:
+        print("note: --full on a CPU builds real-size models; expect it to be very slow", file=sys.stderr)
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        raise SystemExit(f"--only: unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
+    options = parse_sets(args.set)
+    out_dir = args.out or _default_out(device)
+    os.makedirs(out_dir, exist_ok=True)
+    print(f"fastsft_lab bench | {describe()} | device={device} smoke={smoke} | out={out_dir}")
+
+    summary = []
+    t0 = time.time()
+    for name in names:
+        module_name, title = SCENARIOS[name]
+        print(f"\n=== {name}: {title} ===")
+        try:
+            module = importlib.import_module(module_name)
+            scenario = getattr(module, "bench_scenario")
+        except (ImportError, AttributeError) as e:
+            print(f"  skipped: {module_name}.bench_scenario is not available ({e})")
+            summary.append({"scenario": name, "error": f"not available: {e}"})
+            continue
+        t1 = time.time()
+        results = scenario(device=device, smoke=smoke, out_dir=out_dir, steps=args.steps, warmup=args.warmup,
+                           progress=not args.quiet, **options[name])
+        for r in results:
+            summary.append(_summarize(name, r))
+        print(f"  ({time.time() - t1:.0f} s)")
+
+    path = os.path.join(out_dir, "summary.json")
+    with open(path, "w") as f:
+        json.dump({"device": str(device), "smoke": smoke, "seconds": round(time.time() - t0, 1),
+                   "scenarios": summary}, f, indent=2, default=str)
+    print("\n=== summary: step-time speedup of each variant against its scenario's first variant ===")
+    for s in summary:
+        if "error" in s:
+            print(f"  {s['scenario']:8s} {s['error']}")
+            continue
+        print(f"  {s['scenario']:8s} {s['label']}")
+        for v in s["variants"]:
+            print(f"      {v['name']:30s} {v['speedup']}")
+    print(f"\nwrote {path} ({time.time() - t0:.0f} s in all)")
+    return 0
+
+
+def _summarize(name: str, result: dict) -> dict:
+    cfg = result.get("config", {})
+    rows = [r for r in result.get("variants", []) if "step_ms" in r]
+    base = rows[0]["step_ms"]["median"] if rows else None
+    label = ", ".join(f"{k}={cfg[k]}" for k in ("model", "num_layers", "tokens_per_step", "backend", "mode")
+                      if k in cfg)
+    variants = []
+    for r in result.get("variants", []):
+        if "step_ms" in r and base:
+            variants.append({"name": r["name"], "step_ms": r["step_ms"]["median"],
+                             "speedup": f"{base / r['step_ms']['median']:.2f}x ({r['step_ms']['median']:.1f} ms)"})
+        else:
+            variants.append({"name": r["name"], "speedup": r.get("error", "-")})
+    return {"scenario": name, "label": label, "variants": variants}
+
+
+def run_info() -> int:
+    from .env import describe, environment
+    from .models import PRESETS
+
+    print(describe())
+    print(json.dumps(environment(), indent=2, default=str))
+    print("\npresets:")
+    for p in PRESETS.values():
+        c = p.config
+        print(f"  {p.name:15s} {p.family:9s} layers={c['num_hidden_layers']:3d} hidden={c['hidden_size']:5d} "
+              f"{'real' if p.real else 'tiny'} {p.hub_id or ''}")
+    try:
+        from .packed import available_backends
+
+        print("\nattention backends on", "cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        for name, (ok, why) in available_backends(device).items():
+            print(f"  {name:12s} {'yes' if ok else 'no '} {why}")
+    except ImportError:
+        pass
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        return run_bench(args)
+    if args.command == "info":
+        return run_info()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
