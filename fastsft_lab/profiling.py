@@ -97,6 +97,9 @@ class _SyncMode(TorchDispatchMode):
         if packet is aten.copy_ and len(args) > 1 and isinstance(args[1], torch.Tensor):
             dst, src = args[0], args[1]
             if dst.device.type == "cpu" and src.device.type != "cpu" and self.counter._on_device(src):
+                non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+                if non_blocking and dst.is_pinned():
+                    return None  # an async copy into pinned memory (offloading): the host does not wait
                 return "device_to_host"
         return None
 
