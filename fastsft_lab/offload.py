@@ -1048,7 +1048,8 @@ def _scenario_defaults(device: torch.device, smoke: bool) -> dict:
                 sweep_layers=4, sweep_steps=4)
 
 
-def _vram_saved_estimate(num_layers: int, tokens: int, hidden: int, dtype_bytes: int, staging: int) -> dict:
+def vram_saved_estimate(num_layers: int, tokens: int, hidden: int, dtype_bytes: int, staging: int) -> dict:
+    """GPU bytes of layer inputs that checkpointing keeps and offloading frees (minus its staging buffers)."""
     per_layer = tokens * hidden * dtype_bytes
     return {"layers": num_layers, "layer_input_bytes": per_layer,
             "checkpoint_inputs_bytes": num_layers * per_layer,
@@ -1198,7 +1199,7 @@ def _run_config(model, device, *, cfg: dict, tokens: int, keys: Sequence[str], s
               "dtype": str(cfg["dtype"]).replace("torch.", ""), "tokens_per_step": tokens, "row_tokens": row,
               "rows": tokens // row, "steps": steps, "warmup": warmup, "length_mix": cfg["mix"],
               "layer_input_bytes": tokens * hidden * dtype_bytes, "host_memory_available_bytes": avail,
-              "vram_saved_estimate_at_40_layers": _vram_saved_estimate(40, tokens, hidden, dtype_bytes, staging),
+              "vram_saved_estimate_at_40_layers": vram_saved_estimate(40, tokens, hidden, dtype_bytes, staging),
               "bandwidth": cfg.get("bandwidth"), "cpu_threads": cfg.get("cpu_threads")}
     notes = ("Variants interleaved step by step on the same batches; first row (standard checkpointing) is 1.00x. "
              "copy_overlap: from CUDA events recorded on the copy and compute streams in one extra traced step "
@@ -1207,7 +1208,7 @@ def _run_config(model, device, *, cfg: dict, tokens: int, keys: Sequence[str], s
         notes += " CPU smoke run: no streams, every copy is synchronous: timings say nothing about overlap."
     result = make_result("offload", config, rows, device, notes)
     result["derived"] = _derived(rows, device)
-    timeline_doc = {"scenario": "offload_timeline", "config": config, "timelines": timelines,
+    timeline_doc = {"scenario": "offload_timeline", "env": result["env"], "config": config, "timelines": timelines,
                     "overlap": {k: r.get("copy_overlap") for k, r in ((r["name"], r) for r in rows)
                                 if r.get("copy_overlap")}}
     return result, timeline_doc
@@ -1302,7 +1303,7 @@ def _run_vram_check(device, *, cfg: dict, out_dir: str, layers: int, tokens: int
     dtype_bytes = torch.finfo(cfg["dtype"]).bits // 8
     config = {"model": cfg["preset"], "num_layers": layers, "tokens_per_step": tokens, "row_tokens": row,
               "quant": cfg["quant"], "lora_rank": cfg["lora_rank"], "steps": 1, "warmup": 1,
-              "vram_saved_estimate": _vram_saved_estimate(layers, tokens, mcfg.hidden_size, dtype_bytes, 0)}
+              "vram_saved_estimate": vram_saved_estimate(layers, tokens, mcfg.hidden_size, dtype_bytes, 0)}
     result = make_result("offload_vram", config, rows, device,
                          "Peak memory at full depth: one warm-up and one measured step per variant.")
     peaks = [r.get("peak_mem_bytes") for r in rows]
@@ -1352,6 +1353,214 @@ def plot_sweep(result: dict, path: str) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+# --- Checks a notebook or a user can run on their own model ------------------------------------------------------
+def _grads_of_step(model: nn.Module, inputs: dict, seed: int) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = model(**inputs).loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def check_equivalence(model: nn.Module, inputs: dict, *, modes: Sequence[tuple[int, bool]] = ((1, False), (2, False),
+                      (2, True)), rtol: float | None = None, atol: float | None = None, seed: int = 0) -> dict:
+    """Loss and gradients of every offload mode against standard checkpointing and against no checkpointing.
+
+    Tolerances default to exact in float32 on a CPU, and otherwise to bf16 noise on the scale of each tensor
+    (``|a - b| <= atol + rtol * max|a|``; GPU attention backward kernels may accumulate in a different order from
+    run to run). Returns ``{mode: {"vs_standard": bool,
+    "vs_no_checkpointing": bool, "max_abs_diff": float}}`` and ``"standard_vs_no_checkpointing"``.
+    """
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    exact = dtype == torch.float32 and _model_device(model).type == "cpu"
+    rtol = rtol if rtol is not None else (0.0 if exact else 2e-2)
+    atol = atol if atol is not None else (0.0 if exact else 1e-6)
+    was_on = is_offloaded(model)
+    if was_on:
+        raise RuntimeError("turn offloaded checkpointing off before check_equivalence (it toggles it itself)")
+    model.train()
+
+    def close(a, b) -> tuple[bool, float]:
+        (la, ga), (lb, gb) = a, b
+        if set(ga) != set(gb):
+            return False, float("inf")
+        # |a - b| <= atol + rtol * max|a|, per tensor: a tolerance on the scale of each gradient, so that bf16
+        # noise on tiny entries of a large gradient does not count as a difference.
+        pairs = [(la.float(), lb.float())] + [(ga[n].float(), gb[n].float()) for n in ga]
+        diffs = [float((a - b).abs().max()) if a.numel() else 0.0 for a, b in pairs]
+        scales = [float(a.abs().max()) if a.numel() else 0.0 for a, _ in pairs]
+        ok = all(d <= atol + rtol * sc for d, sc in zip(diffs, scales))
+        return ok, max(diffs) if diffs else 0.0
+
+    reference = _grads_of_step(model, inputs, seed)
+    restore = enable_standard_checkpointing(model)
+    try:
+        standard = _grads_of_step(model, inputs, seed)
+    finally:
+        restore()
+    out: dict[str, Any] = {"standard_vs_no_checkpointing": close(reference, standard)[0]}
+    for buffers, prefetch in modes:
+        enable_offloaded_checkpointing(model, buffers, prefetch)
+        try:
+            got = _grads_of_step(model, inputs, seed)
+        finally:
+            disable_offloaded_checkpointing(model)
+        ok_std, diff = close(standard, got)
+        out[f"offload x{buffers}{' + prefetch' if prefetch else ''}"] = {
+            "vs_standard": ok_std, "vs_no_checkpointing": close(reference, got)[0], "max_abs_diff": diff}
+    return out
+
+
+def check_no_leak(model: nn.Module, inputs: dict, *, steps: int = 10, buffers: int = 2,
+                  prefetch: bool | None = None) -> dict:
+    """Run ``steps`` training steps with offload on; report whether pool, staging and registry stay flat."""
+    disable_offloaded_checkpointing(model, release_pool=True)
+    manager = enable_offloaded_checkpointing(model, buffers, prefetch)
+    cuda = manager.cuda
+    seen, alloc, registry_empty = [], [], True
+    try:
+        for _ in range(steps):
+            model(**inputs).loss.backward()
+            model.zero_grad(set_to_none=True)
+            registry_empty &= manager.pending == 0 and manager.pool.in_use == 0
+            seen.append((manager.pool.allocations, manager.pool.nbytes, tuple(manager.staging_bytes)))
+            if cuda:
+                torch.cuda.synchronize(manager.device)
+                alloc.append(torch.cuda.memory_allocated(manager.device))
+    finally:
+        disable_offloaded_checkpointing(model, release_pool=True)
+    return {"pool_flat_after_step_1": len(set(seen[1:])) <= 1, "registry_empty_after_each_backward": registry_empty,
+            "gpu_allocated_flat": (len(set(alloc[1:])) <= 1) if cuda else None,
+            "pool_bytes": seen[-1][1], "pool_allocations": seen[-1][0], "staging_bytes": list(seen[-1][2])}
+
+
+# --- Reading results back (the notebook shows the H200 run from benchmarks/results) -------------------------------
+def default_results_dir() -> str:
+    """``benchmarks/results`` of the repository this package sits in."""
+    import pathlib
+
+    return str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results")
+
+
+def load_results(root: str | None = None, *, device_type: str = "cuda") -> dict:
+    """This scenario's JSON files found under ``root`` (recursively), newest run first, for one device type.
+
+    Returns ``{"offload": [...by tokens], "timeline": [...], "sweep": [...], "vram": [...], "root": root}``;
+    lists are empty when nothing was found (e.g. before the GPU run).
+    """
+    import glob
+    import os
+
+    root = root or default_results_dir()
+    kinds = {"offload": "offload", "offload_timeline": "timeline", "offload_sweep": "sweep", "offload_vram": "vram"}
+    out: dict[str, Any] = {v: [] for v in kinds.values()}
+    out["root"] = root
+    docs = []
+    for path in glob.glob(os.path.join(root, "**", "offload*.json"), recursive=True):
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if doc.get("scenario") in kinds and doc.get("env", {}).get("device") == device_type:
+            doc["_path"] = path
+            docs.append(doc)
+    if not docs:
+        return out
+    # keep the newest run only (one folder per run)
+    newest = max(os.path.dirname(d["_path"]) for d in docs if d["scenario"] == "offload") if any(
+        d["scenario"] == "offload" for d in docs) else None
+    for d in docs:
+        if newest is None or os.path.dirname(d["_path"]) == newest:
+            out[kinds[d["scenario"]]].append(d)
+    for k in ("offload", "timeline"):
+        out[k].sort(key=lambda d: d["config"].get("tokens_per_step", 0))
+    return out
+
+
+def results_table(results: Sequence[dict]) -> str:
+    """Step time (ratio to standard checkpointing) and peak memory of every variant, one column per token count."""
+    if not results:
+        return "(no results)"
+    names: list[str] = []
+    for r in results:
+        for v in r["variants"]:
+            if v["name"] not in names:
+                names.append(v["name"])
+    cols = [r["config"]["tokens_per_step"] for r in results]
+    head = f"{'variant':32s}" + "".join(f"{str(t) + ' tokens':>30s}" for t in cols)
+    lines = [head, "-" * len(head)]
+    for n in names:
+        cells = []
+        for r in results:
+            by = {v["name"]: v for v in r["variants"]}
+            v = by.get(n)
+            std = by.get("checkpointing (standard)", {}).get("step_ms", {}).get("median")
+            if v is None:
+                cells.append("-")
+            elif "step_ms" not in v:
+                cells.append("skipped" if v.get("skipped") else "error")
+            else:
+                ms = v["step_ms"]["median"]
+                peak = v.get("peak_mem_bytes")
+                ratio = f" {ms / std:.2f}x" if std else ""
+                cells.append(f"{ms:7.0f} ms{ratio} {peak / 2**30:5.1f} GiB" if peak else f"{ms:7.1f} ms{ratio}")
+        lines.append(f"{n:32s}" + "".join(f"{c:>30s}" for c in cells))
+    return "\n".join(lines)
+
+
+def plot_across_tokens(results: Sequence[dict], path: str | None = None):
+    """Step time relative to standard checkpointing and peak GPU memory, grouped by tokens per step."""
+    import matplotlib
+
+    if path is not None:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ["checkpointing (standard)", "no checkpointing", "transformers offload=True",
+             "save_on_cpu(step) + ckpt", "offload x1 (single buffer)", "offload x2 (double buffer)",
+             "offload x2 + prefetch"]
+    present = [n for n in names if any(v["name"] == n and "step_ms" in v for r in results for v in r["variants"])]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.4))
+    width = 0.8 / max(1, len(present))
+    for j, n in enumerate(present):
+        xs, ratios, peaks = [], [], []
+        for i, r in enumerate(results):
+            by = {v["name"]: v for v in r["variants"]}
+            std = by.get("checkpointing (standard)", {}).get("step_ms", {}).get("median")
+            v = by.get(n)
+            if v is None or "step_ms" not in v or not std:
+                continue
+            xs.append(i + (j - (len(present) - 1) / 2) * width)
+            ratios.append(v["step_ms"]["median"] / std)
+            peaks.append((v.get("peak_mem_bytes") or 0) / 2**30)
+        bars = a1.bar(xs, ratios, width=width, label=n)
+        for b, rt in zip(bars, ratios):
+            a1.text(b.get_x() + b.get_width() / 2, b.get_height(), f"{rt:.2f}", ha="center", va="bottom", fontsize=6)
+        a2.bar(xs, peaks, width=width, label=n)
+    for ax in (a1, a2):
+        ax.set_xticks(range(len(results)))
+        ax.set_xticklabels([f"{r['config']['tokens_per_step']} tokens" for r in results])
+    a1.axhline(1.0, color="gray", lw=0.8, ls="--")
+    a1.set_ylabel("step time / standard checkpointing (lower is better)")
+    a2.set_ylabel("peak GPU memory GiB")
+    a1.legend(fontsize=7)
+    env = results[0].get("env", {}) if results else {}
+    cfg = results[0].get("config", {}) if results else {}
+    fig.suptitle(f"{cfg.get('model')} x{cfg.get('num_layers')} layers, {cfg.get('quant')} + LoRA "
+                 f"r{cfg.get('lora_rank')} | {env.get('gpu_name') or 'CPU'}", fontsize=9)
+    fig.tight_layout()
+    if path is not None:
+        import os
+
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+    return fig
 
 
 def bench_scenario(*, device, smoke: bool, out_dir: str, steps: int | None = None, warmup: int | None = None,
@@ -1470,5 +1679,6 @@ __all__ = [
     "PinnedPool", "OffloadManager", "OffloadStats", "offloaded_checkpoint", "enable_offloaded_checkpointing",
     "disable_offloaded_checkpointing", "is_offloaded", "offload_manager", "enable_standard_checkpointing",
     "VARIANT_KEYS", "make_variants", "measure_bandwidth", "host_memory_available", "estimate_host_bytes",
-    "trace_step", "plot_offload_result", "plot_sweep", "bench_scenario",
+    "trace_step", "plot_offload_result", "plot_sweep", "plot_across_tokens", "load_results", "results_table",
+    "default_results_dir", "vram_saved_estimate", "check_equivalence", "check_no_leak", "bench_scenario",
 ]
