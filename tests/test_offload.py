@@ -558,8 +558,8 @@ def test_bench_scenario_smoke(tmp_path):
 # --- CUDA -----------------------------------------------------------------------------------------------------------
 @pytest.fixture
 def cuda_model():
-    m = build_model("tiny-qwen3", device="cuda", dtype=torch.bfloat16, lora=LoraSettings(rank=8),
-                    config_overrides={"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 6})
+    m = build_model("tiny-qwen3", device="cuda", dtype=torch.bfloat16, lora=LoraSettings(rank=8), num_layers=6,
+                    config_overrides={"hidden_size": 256, "intermediate_size": 512})
     m.train()
     return m
 
@@ -568,12 +568,11 @@ def cuda_model():
 @pytest.mark.parametrize("buffers,prefetch", MODES, ids=MODE_IDS)
 def test_cuda_gradients_match_standard(cuda_model, buffers, prefetch):
     inputs = _batch(tokens=2048, row=1024).to("cuda").model_inputs()
-    standard = _standard(cuda_model, inputs)
-    got = _offloaded(cuda_model, inputs, buffers, prefetch)
-    # the recompute runs the same kernels on the same inputs: bitwise equal is expected; allow bf16 noise
-    for n in standard[1]:
-        torch.testing.assert_close(got[1][n], standard[1][n], rtol=2e-2, atol=1e-3)
-    torch.testing.assert_close(got[0], standard[0], rtol=1e-3, atol=1e-3)
+    # bf16 on a GPU: within bf16 noise on the scale of each gradient, against standard and no checkpointing
+    eq = O.check_equivalence(cuda_model, inputs, modes=[(buffers, prefetch)])
+    name = f"offload x{buffers}{' + prefetch' if prefetch else ''}"
+    assert eq["standard_vs_no_checkpointing"]
+    assert eq[name]["vs_standard"] and eq[name]["vs_no_checkpointing"], eq
 
 
 @pytest.mark.cuda
@@ -582,10 +581,8 @@ def test_cuda_qlora_nf4_matches_standard():
                     config_overrides={"hidden_size": 256, "intermediate_size": 512})
     m.train()
     inputs = _batch(tokens=1024, row=512).to("cuda").model_inputs()
-    standard = _standard(m, inputs)
-    got = _offloaded(m, inputs, 2, True)
-    for n in standard[1]:
-        torch.testing.assert_close(got[1][n], standard[1][n], rtol=2e-2, atol=1e-3)
+    eq = O.check_equivalence(m, inputs)
+    assert all(v["vs_standard"] and v["vs_no_checkpointing"] for k, v in eq.items() if k.startswith("offload")), eq
 
 
 @pytest.mark.cuda
@@ -667,7 +664,8 @@ def test_cuda_fallback_on_injected_oom(cuda_model, monkeypatch):
     with pytest.warns(RuntimeWarning, match="ONE buffer"):
         got = _offloaded(cuda_model, inputs, 2, True)
     for n in standard[1]:
-        torch.testing.assert_close(got[1][n], standard[1][n], rtol=2e-2, atol=1e-3)
+        a, b = standard[1][n].float(), got[1][n].float()
+        assert (a - b).abs().max() <= 2e-2 * a.abs().max() + 1e-6, n
 
 
 @pytest.mark.cuda
