@@ -17,6 +17,15 @@ from fastsft_lab.models import LoraSettings, build_model, decoder_layers
 from fastsft_lab.profiling import SyncCounter
 
 MODES = [(1, False), (2, False), (2, True)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny models gain nothing from intra-op threads; on a shared 2-core machine they oversubscribe it (10x slower).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 MODE_IDS = ["x1", "x2", "x2-prefetch"]
 
 
