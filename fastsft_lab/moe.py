@@ -56,6 +56,7 @@ STOCK_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 
 _ORIGINAL_ATTR = "_fastsft_moe_original_impl"  # stashed on each experts module by set_moe_routing
 _NF4_ATTR = "_fastsft_nf4"                     # NF4 metadata on an experts module (see quantize_experts_nf4)
+_HOST_READ_LABEL = "fastsft::expert_offsets_to_host"  # profiler label of grouped's one host read per layer
 
 
 # =====================================================================================================================
@@ -179,6 +180,7 @@ def _grouped_mm_fn() -> Callable | None:
     return fn
 
 
+@functools.lru_cache(maxsize=None)
 def _torch_version() -> tuple[int, int]:
     major, minor = torch.__version__.split("+")[0].split(".")[:2]
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
@@ -286,6 +288,97 @@ def _gpt_oss_glu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Ten
     return torch.addcmul(glu, up, glu)
 
 
+# --- Fused GPT-OSS gate (Triton, CUDA) --------------------------------------------------------------------------
+# The eager gate is six elementwise kernels forward (each reading/writing an (S, I) tensor, two of them reading the
+# interleaved (S, 2I) input) and about a dozen backward, and autograd keeps four (S, I) intermediates. One Triton
+# kernel each way reads gate_up once, writes the (S, I) output once, and saves only gate_up. Gate and up of output
+# column j sit at flat positions 2n and 2n+1 of the contiguous (S, 2I) input, n = row * I + j: no row arithmetic.
+_FUSED_GLU = [os.environ.get("FASTSFT_MOE_FUSED_GLU", "1").strip().lower() not in ("0", "false", "no", "off")]
+
+try:  # Triton ships with CUDA builds of PyTorch; TRITON_INTERPRET=1 runs these kernels on CPU tensors (tests)
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _glu_fwd_kernel(gu_ptr, out_ptr, n, alpha, limit, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(gu_ptr + 2 * offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + 2 * offs + 1, mask=mask, other=0.0).to(tl.float32)
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        sig = 1.0 / (1.0 + tl.exp(-alpha * g))
+        out = (u + 1.0) * (g * sig)
+        tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _glu_bwd_kernel(gu_ptr, grad_ptr, dgu_ptr, n, alpha, limit, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g_raw = tl.load(gu_ptr + 2 * offs, mask=mask, other=0.0).to(tl.float32)
+        u_raw = tl.load(gu_ptr + 2 * offs + 1, mask=mask, other=0.0).to(tl.float32)
+        dout = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.minimum(g_raw, limit)
+        u = tl.minimum(tl.maximum(u_raw, -limit), limit)
+        sig = 1.0 / (1.0 + tl.exp(-alpha * g))
+        glu = g * sig
+        # clamp passes the gradient where min <= x <= max (PyTorch's clamp backward), inclusive at the limits
+        dg = tl.where(g_raw <= limit, dout * (u + 1.0) * (sig + g * sig * (1.0 - sig) * alpha), 0.0)
+        du = tl.where((u_raw >= -limit) & (u_raw <= limit), dout * glu, 0.0)
+        tl.store(dgu_ptr + 2 * offs, dg.to(dgu_ptr.dtype.element_ty), mask=mask)
+        tl.store(dgu_ptr + 2 * offs + 1, du.to(dgu_ptr.dtype.element_ty), mask=mask)
+
+    _HAS_TRITON = True
+except Exception:  # noqa: BLE001 - no triton (CPU wheels): the eager gate runs
+    _HAS_TRITON = False
+
+_GLU_BLOCK = 1024
+
+
+class _FusedGptOssGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        gate_up = gate_up.contiguous()
+        out = gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+        n = out.numel()
+        if n:
+            _glu_fwd_kernel[(triton.cdiv(n, _GLU_BLOCK),)](gate_up, out, n, float(alpha), float(limit),
+                                                            BLOCK=_GLU_BLOCK)
+        ctx.save_for_backward(gate_up)
+        ctx.alpha, ctx.limit = float(alpha), float(limit)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (gate_up,) = ctx.saved_tensors
+        grad = grad.contiguous()
+        dgu = torch.empty_like(gate_up)
+        n = grad.numel()
+        if n:
+            _glu_bwd_kernel[(triton.cdiv(n, _GLU_BLOCK),)](gate_up, grad, dgu, n, ctx.alpha, ctx.limit,
+                                                            BLOCK=_GLU_BLOCK)
+        return dgu, None, None
+
+
+def fused_glu_available(t: torch.Tensor) -> bool:
+    """Whether the fused Triton gate runs on ``t`` (CUDA + triton, and not switched off)."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    return _FUSED_GLU[0] and _HAS_TRITON and (t.device.type == "cuda" or interpret)
+
+
+def set_fused_glu(enabled: bool) -> bool:
+    """Turn the fused Triton GPT-OSS gate of ``sync_free`` on/off (env ``FASTSFT_MOE_FUSED_GLU``); returns the old."""
+    old, _FUSED_GLU[0] = _FUSED_GLU[0], bool(enabled)
+    return old
+
+
+def gpt_oss_glu(gate_up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """GPT-OSS's gate on an (S, 2I) interleaved tensor: one fused Triton kernel on CUDA, six eager kernels elsewhere."""
+    if fused_glu_available(gate_up):
+        return _FusedGptOssGLU.apply(gate_up, alpha, limit)
+    return _gpt_oss_glu(gate_up, alpha, limit)
+
+
 # =====================================================================================================================
 # The three forwards (signature of transformers' experts forward: hidden (T, H), top_k_index (T, k), weights (T, k))
 # =====================================================================================================================
@@ -341,7 +434,8 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     if nf4:
         _check_nf4_not_lora(self)
     sorted_ids, perm, ends = group_by_expert(top_k_index, self.num_experts)
-    ends_host = ends.tolist()  # THE host sync of this layer: every slice boundary at once
+    with torch.profiler.record_function(_HOST_READ_LABEL):
+        ends_host = ends.tolist()  # THE host sync of this layer: every slice boundary at once
     x = hidden_states[perm // k]  # (S, H) rows in expert order
     w_gate_up = None if nf4 else _weight(self, "gate_up_proj")
     w_down = None if nf4 else _weight(self, "down_proj")
@@ -382,7 +476,8 @@ def sync_free_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
     (three ``masked_fill`` passes over (S, H)/(S, 2I) - we do not run expert parallelism), the gate_up bias added
     by one ``addmm`` against a one-hot (S, E) matrix (no per-row bias gather), the down bias folded into a tiny
     (T, E) @ (E, H) matmul of the routing weights (no (S, H) gather + add), the routing weights applied inside the
-    k-way reduction (one batched matmul instead of multiply + gather + sum), and a six-kernel gate.
+    k-way reduction (one batched matmul instead of multiply + gather + sum), and the GPT-OSS gate as one fused
+    Triton kernel each way on CUDA (six eager kernels elsewhere).
     Falls back to :func:`grouped_experts_forward` (one host sync) where no grouped matmul runs, with a warning.
     """
     num_tokens, k = top_k_index.shape
@@ -413,7 +508,7 @@ def sync_free_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
         one_hot = gate_up.new_zeros(sorted_ids.numel(), num_experts).scatter_(1, sorted_ids.unsqueeze(1), 1.0)
         gate_up = torch.addmm(gate_up, one_hot, self.gate_up_proj_bias.to(gate_up.dtype))
     if _is_gpt_oss_gate(self):
-        act = _gpt_oss_glu(gate_up, self.alpha, self.limit)
+        act = gpt_oss_glu(gate_up, self.alpha, self.limit)  # fused Triton kernel on CUDA
     else:
         act = self._apply_gate(gate_up)  # (S, I)
     y = _grouped_proj(self, "down_proj", act, offs)  # (S, H)
@@ -617,6 +712,13 @@ def quantize_experts_nf4(model: nn.Module, *, blocksize: int = 64, compute_dtype
     return count
 
 
+def dequantize_expert_weight(module: nn.Module, name: str, expert: int | None = None) -> torch.Tensor:
+    """One NF4 expert weight (``gate_up_proj``/``down_proj``) dequantized: all experts, or one (module layout)."""
+    if not _is_nf4(module):
+        raise ValueError(f"{type(module).__name__} has no NF4 expert store; call quantize_experts_nf4 first")
+    return _NF4Weight(module, name).dequantize(expert)
+
+
 def nf4_expert_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes held by expert weights: NF4 store (codes + absmax) and what bf16 would take."""
     nf4 = bf16 = 0
@@ -672,7 +774,7 @@ def routing_stats(model: nn.Module, inputs: dict) -> dict:
     }
 
 
-def _time_ms(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int) -> dict:
+def time_call_ms(fn: Callable[[], Any], device: torch.device, warmup: int, reps: int) -> dict:
     """median/p20/p80 milliseconds of ``fn`` (CUDA events on a GPU, one sync at the end; perf_counter on a CPU)."""
     from .profiling import percentiles
 
@@ -705,6 +807,9 @@ MICRO_IMPLEMENTATIONS = (
     ("transformers grouped_mm", "grouped_mm",
      "stock experts_implementation='grouped_mm' (transformers 5.x default): sort, histc, grouped_mm, sentinel "
      "masking, per-row bias gathers, weight multiply + inverse-permutation gather + sum"),
+    ("sync_free, eager gate", "sync_free:eager_gate",
+     "sync_free with the six-kernel eager GPT-OSS gate instead of the fused Triton kernel (shows the gate's share; "
+     "only where the fused kernel runs)"),
 )
 
 
@@ -734,7 +839,11 @@ def experts_microbenchmark(model: nn.Module, *, tokens: int, layer: int = 0, war
         _, weights, index = router(hidden)
     grad_out = torch.randn(tokens, hidden.shape[1], device=device, dtype=dtype, generator=gen)
     rows = []
-    for label, impl, note in implementations:
+    for label, spec, note in implementations:
+        impl, _, flag = spec.partition(":")
+        if flag == "eager_gate" and not (_is_gpt_oss_gate(base) and fused_glu_available(hidden)):
+            continue  # identical to sync_free here
+        fused_before = set_fused_glu(False) if flag == "eager_gate" else None
         with moe_routing(model, impl):
             def forward():
                 with torch.no_grad():
@@ -745,11 +854,11 @@ def experts_microbenchmark(model: nn.Module, *, tokens: int, layer: int = 0, war
                 w = weights.detach().requires_grad_(True)
                 experts(h, index, w).backward(grad_out)
 
-            entry: dict[str, Any] = {"name": label, "toggles": {"experts_implementation": IMPLEMENTATIONS.get(impl, impl)},
-                                     "note": note}
+            toggles = {"experts_implementation": IMPLEMENTATIONS.get(impl, impl)}
+            entry: dict[str, Any] = {"name": label, "toggles": toggles, "note": note}
             try:
-                entry["forward_ms"] = _time_ms(forward, device, warmup, reps)
-                entry["step_ms"] = _time_ms(train, device, warmup, reps)
+                entry["forward_ms"] = time_call_ms(forward, device, warmup, reps)
+                entry["step_ms"] = time_call_ms(train, device, warmup, reps)
                 counter = SyncCounter(device=device, cross_check=device.type == "cuda")
                 with counter:
                     forward()
@@ -760,6 +869,9 @@ def experts_microbenchmark(model: nn.Module, *, tokens: int, layer: int = 0, war
             except torch.cuda.OutOfMemoryError as e:  # report, keep going
                 entry = {"name": label, "note": note, "error": f"out of memory: {str(e).splitlines()[0]}"}
                 torch.cuda.empty_cache()
+            finally:
+                if fused_before is not None:
+                    set_fused_glu(fused_before)
         rows.append(entry)
     rows.append(_matmuls_alone(base, hidden, index, grad_out, device, warmup, reps))
     return rows
@@ -802,14 +914,88 @@ def _matmuls_alone(experts: nn.Module, hidden: torch.Tensor, index: torch.Tensor
         y = _grouped_mm(ar, w_down, offs)
         torch.autograd.backward([gu, y], [torch.ones_like(gu), g])
 
-    entry["forward_ms"] = _time_ms(forward, device, warmup, reps)
-    entry["step_ms"] = _time_ms(train, device, warmup, reps)
+    entry["forward_ms"] = time_call_ms(forward, device, warmup, reps)
+    entry["step_ms"] = time_call_ms(train, device, warmup, reps)
     entry["host_syncs_per_step"] = 0
     return entry
 
 
-def _routing_variants(model_family: str) -> list:
-    from .bench import Variant
+_SYNC_OP_NAMES = ("aten::nonzero", "aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal",
+                  "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::bincount")
+
+
+def timeline(fn: Callable[[], Any], device: torch.device | str) -> dict:
+    """Profile one call of ``fn`` and return its host ops and (on CUDA) GPU kernels as ms intervals.
+
+    Returns ``{"host": [(name, start_ms, end_ms, syncs)], "gpu": [(name, start_ms, end_ms)], "host_syncs": n}``;
+    ``syncs`` marks host ops that wait for the device (a ``nonzero``, ``item``, ``.tolist()`` copy or stream sync
+    anywhere below them). On a CPU there is no GPU lane: the marks show where a GPU run would stall.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    with profile(activities=activities) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    events = prof.events()
+
+    def waits(evt) -> bool:
+        if evt.name in _SYNC_OP_NAMES or evt.name == _HOST_READ_LABEL:
+            return True
+        if evt.name.startswith("cudaMemcpy") and "Async" not in evt.name:
+            return True
+        if device.type == "cpu" and evt.name == "aten::_grouped_mm":
+            return False  # the CPU kernel reads its offsets from host memory; the CUDA kernel reads them on device
+        return any(waits(c) for c in evt.cpu_children)
+
+    host = [e for e in events if e.cpu_parent is None and e.device_type == torch.autograd.DeviceType.CPU
+            and not e.name.startswith(("ProfilerStep", "cudaDeviceSynchronize"))]
+    gpu = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
+    if not host:
+        return {"host": [], "gpu": [], "host_syncs": 0}
+    t0 = min([e.time_range.start for e in host] + [e.time_range.start for e in gpu])
+    to_ms = lambda t: (t - t0) / 1e3  # noqa: E731
+    host_rows = [(e.name, to_ms(e.time_range.start), to_ms(e.time_range.end), waits(e)) for e in host]
+    gpu_rows = [(e.name, to_ms(e.time_range.start), to_ms(e.time_range.end)) for e in gpu]
+    return {"host": host_rows, "gpu": gpu_rows, "host_syncs": sum(1 for r in host_rows if r[3])}
+
+
+def plot_timeline(timelines: dict[str, dict], ax=None, title: str | None = None):
+    """Draw host ops (grey; red where the host waits for the device) and GPU kernels (blue) per mode."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.9 + 0.75 * len(timelines) * 2))
+    labels, y = [], 0
+    for mode, tl in timelines.items():
+        if tl["gpu"]:
+            ax.broken_barh([(s, max(e - s, 1e-3)) for _, s, e in tl["gpu"]], (y - 0.35, 0.7), color="tab:blue")
+            labels.append((y, f"{mode}: GPU kernels"))
+            y += 1
+        ax.broken_barh([(s, max(e - s, 1e-3)) for _, s, e, w in tl["host"] if not w], (y - 0.35, 0.7),
+                       color="lightgray")
+        ax.broken_barh([(s, max(e - s, 1e-3)) for _, s, e, w in tl["host"] if w], (y - 0.35, 0.7), color="tab:red")
+        labels.append((y, f"{mode}: host ({tl['host_syncs']} waits)"))
+        y += 1.4
+    ax.set_yticks([p for p, _ in labels])
+    ax.set_yticklabels([t for _, t in labels], fontsize=8)
+    ax.set_xlabel("ms from the start of the experts forward")
+    ax.set_title(title or "one MoE layer's experts forward: red = the host waits for the device", fontsize=9)
+    return ax
+
+
+def routing_variants(model_family: str = "gpt_oss", inputs: Callable | None = None) -> list:
+    """The five benchmark variants (naive, grouped, sync_free, transformers eager, transformers grouped_mm).
+
+    ``inputs(batch, state) -> model kwargs`` overrides the stock inputs (e.g. packed attention's metadata).
+    """
+    from .bench import Variant, default_inputs
+
+    inputs = inputs or default_inputs
 
     def switch(mode):
         return lambda m: set_moe_routing(m, mode)
@@ -819,22 +1005,24 @@ def _routing_variants(model_family: str) -> list:
 
     cls = "GptOssExperts" if model_family == "gpt_oss" else "Qwen3MoeExperts"
     return [
-        Variant("naive", {"moe_routing": "naive"}, switch("naive"), off,
+        Variant("naive", {"moe_routing": "naive"}, switch("naive"), off, inputs=inputs,
                 note=f"before: transformers 5.17's eager {cls}.forward loop, re-registered op for op as "
                      "'fastsft_naive' (one_hot, nonzero, per hit expert: host read of the id, torch.where, gather, "
                      "matmuls, index_add_): 2+ host syncs per hit expert and layer"),
-        Variant("grouped", {"moe_routing": "grouped"}, switch("grouped"), off,
+        Variant("grouped", {"moe_routing": "grouped"}, switch("grouped"), off, inputs=inputs,
                 note="group once: stable sort of expert ids, searchsorted end offsets, ONE .tolist() per MoE layer, "
                      "per-expert addmm on contiguous slices, deterministic k-way reduction (inverse permutation + "
                      "one bmm); costs one host sync per layer"),
-        Variant("sync_free", {"moe_routing": "sync_free"}, switch("sync_free"), off,
+        Variant("sync_free", {"moe_routing": "sync_free"}, switch("sync_free"), off, inputs=inputs,
                 note="the same grouping with offsets on the device feeding torch grouped_mm; one-hot addmm for the "
-                     "gate_up bias, down bias folded into a (T,E)@(E,H) matmul, no sentinel masking; 0 host syncs "
-                     "(falls back to 'grouped' where grouped_mm cannot run)"),
-        Variant("transformers eager", {"experts_implementation": "eager"}, switch("eager"), off,
+                     "gate_up bias, down bias folded into a (T,E)@(E,H) matmul, no sentinel masking, weighted k-way "
+                     "sum as one bmm, GPT-OSS gate fused in one Triton kernel on CUDA; 0 host syncs (falls back to "
+                     "'grouped' where grouped_mm cannot run)"),
+        Variant("transformers eager", {"experts_implementation": "eager"}, switch("eager"), off, inputs=inputs,
                 note="peer: stock transformers experts_implementation='eager' (the same loop, dispatched by "
                      "transformers)"),
         Variant("transformers grouped_mm", {"experts_implementation": "grouped_mm"}, switch("grouped_mm"), off,
+                inputs=inputs,
                 note="peer: stock transformers experts_implementation='grouped_mm' (the 5.x default): sort, histc "
                      "counts, cumsum offsets, grouped_mm, EP-sentinel masked_fill passes, per-row bias gathers, "
                      "inverse-permutation gather, weight multiply and sum over k"),
@@ -866,7 +1054,8 @@ def bench_scenario(*, device, smoke: bool, out_dir: str, steps: int | None = Non
         attn_implementation: the preset's stock one (GPT-OSS: ``eager``).
         packed_backend: None, or a backend name for ``fastsft_lab.packed.enable_packed_attention``.
         micro: True - also time one layer's experts alone per implementation, plus "expert matmuls alone".
-        micro_presets: extra presets for the experts microbenchmark only, ``["qwen3-30b-a3b"]`` / ``["tiny-qwen3-moe"]``.
+        micro_presets: extra presets for the experts microbenchmark only (1 layer built),
+            ``["qwen3-30b-a3b"]`` / ``["tiny-qwen3-moe"]``.
         micro_reps: 10 / 3.
         variants: subset of names to run (default all five).
     """
@@ -912,17 +1101,19 @@ def bench_scenario(*, device, smoke: bool, out_dir: str, steps: int | None = Non
     if quant == "nf4":
         quantize_experts_nf4(model, compute_dtype=dtype)
     attention = info.attn_implementation
+    inputs_fn = None
     if packed_backend:
-        from . import packed  # optimization 1's attention backends (sinks + sliding window)
+        from . import packed  # optimization 1's attention backends (GPT-OSS sinks + sliding window)
 
         packed.enable_packed_attention(model, backend=packed_backend)
-        attention = f"packed:{packed_backend}"
+        attention = f"packed:{packed_backend} ({packed.attn_implementation_name(packed_backend)})"
+        inputs_fn = lambda batch, state=None: packed.packed_inputs(batch)  # noqa: E731 - metadata built once
     build_s = time.time() - t0
     if progress:
         print(f"  built {preset.name} ({info.num_layers} layers, quant={quant}, attention={attention}) in "
               f"{build_s:.0f}s")
 
-    variants = _routing_variants(preset.family)
+    variants = routing_variants(preset.family, inputs=inputs_fn)
     if only:
         wanted = set(_as_list(only, []))
         variants = [v for v in variants if v.name in wanted]
@@ -940,6 +1131,8 @@ def bench_scenario(*, device, smoke: bool, out_dir: str, steps: int | None = Non
         "num_experts": preset.config.get("num_local_experts", preset.config.get("num_experts")),
         "top_k": preset.config.get("num_experts_per_tok"), "build_seconds": round(build_s, 1),
         "params_total": info.params_total, "params_trainable": info.params_trainable,
+        "sync_free_gate": "fused triton" if (preset.family == "gpt_oss" and gpu and _HAS_TRITON and _FUSED_GLU[0])
+        else "eager",
     }
     if quant == "nf4":
         base_config.update(nf4_expert_bytes(model))
@@ -948,7 +1141,7 @@ def bench_scenario(*, device, smoke: bool, out_dir: str, steps: int | None = Non
         batches = benchmark_batches(tokens_per_step=tokens, row_tokens=rt, steps=max(2, min(steps, 4)),
                                     vocab_size=model.config.vocab_size, mix="short" if smoke else "realistic")
         batches = [b.to(device) for b in batches]
-        stats = routing_stats(model, batches[0].model_inputs())
+        stats = routing_stats(model, inputs_fn(batches[0]) if inputs_fn else batches[0].model_inputs())
         for mode in modes:
             label = f"{preset.name} {tokens} tok {mode}"
             rows = run_variants(model, batches, variants, steps=steps, warmup=warmup, mode=mode, progress=progress,
@@ -1016,6 +1209,7 @@ __all__ = [
     "naive_experts_forward", "grouped_experts_forward", "sync_free_experts_forward",
     "group_by_expert", "grouped_mm_unavailable", "register_experts_implementations",
     "is_experts_module", "experts_modules", "get_moe_routing", "experts_implementation", "set_moe_routing",
-    "moe_routing", "quantize_experts_nf4", "nf4_expert_bytes", "routing_stats", "experts_microbenchmark",
-    "MICRO_IMPLEMENTATIONS", "bench_scenario",
+    "moe_routing", "quantize_experts_nf4", "dequantize_expert_weight", "nf4_expert_bytes", "routing_variants",
+    "time_call_ms", "gpt_oss_glu", "fused_glu_available", "set_fused_glu", "routing_stats", "experts_microbenchmark",
+    "MICRO_IMPLEMENTATIONS", "bench_scenario", "timeline", "plot_timeline",
 ]
