@@ -895,8 +895,10 @@ def make_variants(model: nn.Module, keys: Sequence[str] = VARIANT_KEYS, device: 
                 note="standard checkpointing with the whole forward inside torch.autograd.graph.save_on_cpu("
                      "pin_memory=True) (the issue's measurement): besides the layer inputs, every tensor autograd "
                      "saves outside the checkpointed layers goes to pinned host memory and back on the compute "
-                     "stream: the float32 log-softmax of the logits (tokens x vocab x 4 bytes), the LM head weight, "
-                     "the final norm's inputs. Host memory grows with tokens x vocab.")
+                     "stream: the float32 log-softmax of the logits, packed twice because log_softmax and nll_loss both "
+                     "save it (2 x tokens x vocab x 4 bytes: 40 GB at 32k tokens with Qwen3's 152k vocabulary, before "
+                     "the pinned allocator's power-of-two rounding), the LM head weight, the final norm's inputs. "
+                     "Host memory grows with tokens x vocab.")
         elif key in _OFFLOAD_MODES:
             buffers, prefetch, serial = _OFFLOAD_MODES[key]
             sw = _OffloadToggle(buffers, prefetch, serial)
@@ -959,8 +961,9 @@ def estimate_host_bytes(key: str, *, num_layers: int, tokens: int, hidden: int, 
     if key in _OFFLOAD_MODES or key == "hf_offload":
         return layer_inputs
     if key == "save_on_cpu":
-        # log-softmax of float32 logits + LM head weight + final-norm float32 inputs (pow, mul) + lm_head input
-        return (layer_inputs + _pow2_ceil(tokens * vocab * 4) + _pow2_ceil(vocab * hidden * dtype_bytes)
+        # the float32 log-softmax of the logits, packed twice (saved by log_softmax and by nll_loss), the LM head
+        # weight, the final norm's float32 inputs (pow, mul) and the LM head input
+        return (layer_inputs + 2 * _pow2_ceil(tokens * vocab * 4) + _pow2_ceil(vocab * hidden * dtype_bytes)
                 + 3 * _pow2_ceil(tokens * hidden * 4) + _pow2_ceil(tokens * hidden * dtype_bytes))
     return 0
 

@@ -250,9 +250,11 @@ else:
 - **VRAM of the second buffer**: one layer input, `tokens x hidden x 2` bytes in bf16 (Qwen3-14B: 84 MB at 8k tokens,
   168 MB at 16k, 336 MB at 32k) — the issue's budget is 0.5 GB.
 - **Host memory**: one pinned slot per layer, rounded up to a power of two (PyTorch's pinned allocator rounds that
-  way too). `save_on_cpu` around the whole step also pins the float32 log-softmax of the logits (`tokens x vocab x
-  4` bytes: 20 GB at 32k tokens for Qwen3's 152k vocabulary), which is what ran the issue's 32k run out of host
-  memory; the benchmark now estimates that and skips with a recorded reason instead of dying.
+  way too). `save_on_cpu` around the whole step also pins the float32 log-softmax of the logits — twice, since
+  `log_softmax` and `nll_loss` both save it: `2 x tokens x vocab x 4` bytes, 40 GB at 32k tokens for Qwen3's 152k
+  vocabulary (64 GB after power-of-two rounding). That is what ran the issue's 32k run out of host memory; the
+  benchmark estimates it and skips with a recorded reason instead of dying. Transformers' own `offload=True` wraps
+  `save_on_cpu` around each layer's checkpoint only, so it pins just the layer inputs.
 - **Time**: two copies per layer per step. When the copy is small next to the layer's compute (an H200 at long
   sequences), it is hidden and the second buffer buys little; offloading only pays when the memory it frees is
   needed. At short sequences the fixed costs (RNG state, events, a recompute launched from a nested backward) are a
