@@ -493,6 +493,12 @@ def packed_variants(model: nn.Module, backend: str, device: torch.device, *, sto
     return variants
 
 
+def naive_variants(model: nn.Module, backends: Sequence[str] = ("sdpa",), device=None) -> list:
+    """Only the naive per-layer variant of each backend (notebook 00 measures it next to the stock path)."""
+    device = torch.device(device) if device is not None else _model_device(model)
+    return [packed_variants(model, b, device)[0] for b in backends]
+
+
 def _stock_for(backend: str, family: str) -> str:
     if family == "gpt_oss":
         return "eager" if backend != "flex" else "flex_attention"
@@ -601,6 +607,12 @@ def bench_scenario(*, device, smoke: bool, out_dir: str, steps: int | None = Non
     if options.get("sweep"):
         opts.update(_sweep_options())
     opts.update({k: v for k, v in options.items() if k != "sweep"})
+    for key in ("models", "tokens", "backends", "mixes"):  # `--set packed.tokens=4096` gives a scalar
+        if opts.get(key) is not None and not isinstance(opts[key], (list, tuple)):
+            opts[key] = [opts[key]]
+    unknown = [b for b in opts["backends"] if b not in BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown packed-attention backend(s) {unknown}; known: {', '.join(BACKENDS)}")
     steps = steps if steps is not None else opts["steps"]
     warmup = warmup if warmup is not None else opts["warmup"]
     mixes = opts.get("mixes") or [opts["mix"]]
@@ -668,5 +680,5 @@ __all__ = [
     "PackedMetadata", "PackedCollator", "BackendStatus", "BACKENDS", "ATTN_NAMES", "available_backends",
     "attn_implementation_name", "enable_packed_attention", "disable_packed_attention", "set_packed_metadata_cache",
     "packed_attention_state", "register_packed_backends", "packed_inputs", "packed_vs_alone", "cross_contamination",
-    "packed_variants", "plot_regime", "bench_scenario", "NAIVE_BUILDS",
+    "packed_variants", "naive_variants", "plot_regime", "bench_scenario", "NAIVE_BUILDS",
 ]

@@ -308,23 +308,48 @@ def flash_attn_attention(q, k, v, cu: torch.Tensor, max_len: int, *, scale: floa
 # --- which backend runs where --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class BackendStatus:
-    """Whether a backend runs on a device: ``available`` (forward), ``training`` (backward too), and why."""
+    """Whether a backend runs on a device: ``available`` (forward), ``training`` (backward too), and why.
+
+    Unpacks as ``available, reason = status`` (what ``python -m fastsft_lab info`` prints).
+    """
 
     name: str
     available: bool
     training: bool
     reason: str
 
+    def __iter__(self):
+        return iter((self.available, self.reason))
+
 
 BACKENDS = ("sdpa", "eager", "varlen", "flex", "xformers", "flash")
 
 
+@contextlib.contextmanager
+def _quiet_logger(name: str):
+    # xFormers logs a multi-line warning when its extensions do not load; we report the reason ourselves.
+    import logging
+
+    log = logging.getLogger(name)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def _xformers_status(device: torch.device) -> BackendStatus:
     try:
-        import xformers.ops as xops
-        from xformers.ops.fmha.attn_bias import BlockDiagonalCausalMask
+        with _quiet_logger("xformers"):
+            import xformers
+            import xformers.ops as xops
+            from xformers.ops.fmha.attn_bias import BlockDiagonalCausalMask
     except Exception as e:  # noqa: BLE001 - any import failure means "not here"
         return BackendStatus("xformers", False, False, f"xformers does not import: {type(e).__name__}: {e}")
+    if getattr(xformers, "_has_cpp_library", True) is False and device.type == "cuda":
+        return BackendStatus("xformers", False, False, "xformers imports, but its C++/CUDA extensions do not load "
+                                                       "(built for another torch/CUDA version)")
     try:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         x = torch.zeros(1, 4, 1, 8, device=device, dtype=dtype)

@@ -361,7 +361,10 @@ def _block_mask_from_ids(ids: torch.Tensor, window: int | None, device: torch.de
 
 
 def _xformers_bias(lengths: list[int], window: int | None, device: torch.device):
-    from xformers.ops.fmha.attn_bias import BlockDiagonalCausalMask
+    from .kernels import _quiet_logger
+
+    with _quiet_logger("xformers"):
+        from xformers.ops.fmha.attn_bias import BlockDiagonalCausalMask
 
     bias = BlockDiagonalCausalMask.from_seqlens(lengths)
     if window is not None:
