@@ -191,8 +191,12 @@ for mode in ("offload x1", "offload x2", "offload x2 + prefetch"):
 leak = O.check_no_leak(model, batches[0].model_inputs(), steps=8)
 print("pinned pool flat after step 1:", leak["pool_flat_after_step_1"])
 print("registry empty after every backward:", leak["registry_empty_after_each_backward"])
-if DEVICE == "cuda":
-    print("GPU allocated memory flat:", leak["gpu_allocated_flat"])
+'''),
+("code", r'''
+# (not compared by nbval: GPU only)
+print("GPU allocated memory flat over the steps:", leak["gpu_allocated_flat"] if DEVICE == "cuda" else "n/a on a CPU")
+print(f"pool: {leak['pool_allocations']} host allocations, {leak['pool_bytes'] / 2**20:.2f} MiB; "
+      f"staging buffers: {[round(b / 2**20, 2) for b in leak['staging_bytes']]} MiB")
 '''),
 ("md", r'''
 ## The fix, measured
