@@ -261,7 +261,44 @@ def group_by_expert(top_k_index: torch.Tensor, num_experts: int, *, int32: bool 
     return sorted_ids, perm, ends
 
 
-def _combine(y_sorted: torch.Tensor, perm: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """``inv`` with ``inv[perm[i]] = i``: one scatter of an arange (no sort, no sync)."""
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+
+
+class _RowGather(torch.autograd.Function):
+    """``x[index]`` for a gather whose inverse map is known, with a backward that is a gather too.
+
+    Autograd's own backward of ``x[index]`` is an ``index_put_`` with accumulation (a sort of the indices on CUDA,
+    then a scatter). Here every output row comes from a known source and ``inverse`` lists, for each source row and
+    copy, where it went: the gradient is ``grad[inverse]`` summed over the ``repeat`` copies of each row - a gather
+    and a fixed-order reduction, deterministic, no atomics.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, repeat: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.repeat = repeat
+        return x.index_select(0, index)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        g = grad.index_select(0, inverse)  # (rows * repeat, H), copies of one row adjacent
+        if ctx.repeat > 1:
+            g = g.view(-1, ctx.repeat, g.shape[-1]).sum(1)
+        return g, None, None, None
+
+
+def _tokens_in_expert_order(hidden_states: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor,
+                            k: int) -> torch.Tensor:
+    """(T, H) -> (S, H): row i is the token of sorted pair i; backward sums each token's k row gradients."""
+    return _RowGather.apply(hidden_states, perm // k, inv, k)
+
+
+def _combine(y_sorted: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor,
+             top_k_weights: torch.Tensor) -> torch.Tensor:
     """(S, H) expert outputs in sorted order -> (T, H): back to (T, k, H) by the inverse permutation, then the
     routing-weighted sum over the k slots as one batched (1 x k) @ (k x H) matmul per token.
 
@@ -269,8 +306,7 @@ def _combine(y_sorted: torch.Tensor, perm: torch.Tensor, top_k_weights: torch.Te
     are one kernel (bf16 inputs accumulate in fp32 inside the matmul).
     """
     num_tokens, k = top_k_weights.shape
-    inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
-    y = y_sorted[inv].view(num_tokens, k, -1)  # (T, k, H)
+    y = _RowGather.apply(y_sorted, inv, perm, 1).view(num_tokens, k, -1)  # (T, k, H)
     return torch.bmm(top_k_weights.to(y.dtype).unsqueeze(1), y).squeeze(1)  # (T, 1, k) @ (T, k, H) -> (T, H)
 
 
@@ -436,7 +472,8 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     sorted_ids, perm, ends = group_by_expert(top_k_index, self.num_experts)
     with torch.profiler.record_function(_HOST_READ_LABEL):
         ends_host = ends.tolist()  # THE host sync of this layer: every slice boundary at once
-    x = hidden_states[perm // k]  # (S, H) rows in expert order
+    inv = inverse_permutation(perm)
+    x = _tokens_in_expert_order(hidden_states, perm, inv, k)  # (S, H) rows in expert order
     w_gate_up = None if nf4 else _weight(self, "gate_up_proj")
     w_down = None if nf4 else _weight(self, "down_proj")
     outputs = []
@@ -461,7 +498,7 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
         outputs.append(out)
         start = end
     y = torch.cat(outputs) if len(outputs) > 1 else outputs[0]  # (S, H) in sorted order
-    return _combine(y, perm, top_k_weights).to(hidden_states.dtype)
+    return _combine(y, perm, inv, top_k_weights).to(hidden_states.dtype)
 
 
 _FALLBACK_WARNED: set[str] = set()
@@ -500,7 +537,8 @@ def sync_free_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
 
     num_experts = self.num_experts
     sorted_ids, perm, offs = group_by_expert(top_k_index, num_experts, int32=True)
-    x = hidden_states[perm // k]  # (S, H) rows in expert order
+    inv = inverse_permutation(perm)
+    x = _tokens_in_expert_order(hidden_states, perm, inv, k)  # (S, H) rows in expert order
     gate_up = _grouped_proj(self, "gate_up_proj", x, offs)  # (S, 2I)
     if self.has_bias:
         # Per-row bias of the row's expert = one_hot(expert) @ bias: one GEMM over (S, E) x (E, 2I) that reads and
@@ -512,7 +550,7 @@ def sync_free_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
     else:
         act = self._apply_gate(gate_up)  # (S, I)
     y = _grouped_proj(self, "down_proj", act, offs)  # (S, H)
-    out = _combine(y, perm, top_k_weights)  # (T, H)
+    out = _combine(y, perm, inv, top_k_weights)  # (T, H)
     if self.has_bias:
         # sum_j w_tj * b[e_tj] = (routing weights scattered to (T, E)) @ bias: exact, and tiny next to (S, H).
         dense = top_k_weights.new_zeros(num_tokens, num_experts).scatter(1, top_k_index, top_k_weights)
@@ -1207,7 +1245,7 @@ def _micro_result(model, preset_name, tokens, device, dtype, quant, warmup, reps
 __all__ = [
     "MODES", "IMPLEMENTATIONS", "STOCK_IMPLEMENTATIONS",
     "naive_experts_forward", "grouped_experts_forward", "sync_free_experts_forward",
-    "group_by_expert", "grouped_mm_unavailable", "register_experts_implementations",
+    "group_by_expert", "inverse_permutation", "grouped_mm_unavailable", "register_experts_implementations",
     "is_experts_module", "experts_modules", "get_moe_routing", "experts_implementation", "set_moe_routing",
     "moe_routing", "quantize_experts_nf4", "dequantize_expert_weight", "nf4_expert_bytes", "routing_variants",
     "time_call_ms", "gpt_oss_glu", "fused_glu_available", "set_fused_glu", "routing_stats", "experts_microbenchmark",
