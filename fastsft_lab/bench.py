@@ -183,7 +183,12 @@ def run_variants(
         for v, entry in zip(variants, results):
             if "error" in entry:
                 continue
-            entry.update(count_step_syncs(model, batches[0], v, mode=mode, optimizer=optimizer))
+            try:
+                entry.update(count_step_syncs(model, batches[0], v, mode=mode, optimizer=optimizer))
+            except Exception as e:  # noqa: BLE001 - e.g. a higher-order op (flex) the counter's dispatch mode refuses
+                entry["host_syncs_error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+                if optimizer is not None:
+                    optimizer.zero_grad(set_to_none=True)
     return results
 
 
