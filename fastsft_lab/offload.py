@@ -1475,14 +1475,14 @@ def load_results(root: str | None = None, *, device_type: str = "cuda") -> dict:
         if doc.get("scenario") in kinds and doc.get("env", {}).get("device") == device_type:
             doc["_path"] = path
             docs.append(doc)
-    if not docs:
-        return out
-    # keep the newest run only (one folder per run)
-    newest = max(os.path.dirname(d["_path"]) for d in docs if d["scenario"] == "offload") if any(
-        d["scenario"] == "offload" for d in docs) else None
-    for d in docs:
-        if newest is None or os.path.dirname(d["_path"]) == newest:
-            out[kinds[d["scenario"]]].append(d)
+    # per kind, keep the newest run only (by the env date; one folder per run)
+    for kind in kinds:
+        mine = [d for d in docs if d["scenario"] == kind]
+        if not mine:
+            continue
+        newest = max(mine, key=lambda d: (d["env"].get("date", ""), d["_path"]))
+        folder = os.path.dirname(newest["_path"])
+        out[kinds[kind]] = [d for d in mine if os.path.dirname(d["_path"]) == folder]
     for k in ("offload", "timeline"):
         out[k].sort(key=lambda d: d["config"].get("tokens_per_step", 0))
     return out
