@@ -18,7 +18,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("env", "models", "data", "profiling", "bench", "packed", "offload", "moe", "cli")
+_SUBMODULES = ("env", "models", "data", "profiling", "bench", "packed", "offload", "moe", "timeline", "cli")
 
 
 def __getattr__(name: str):
