@@ -528,35 +528,43 @@ def _speedups(result: dict) -> dict:
 
 
 def plot_regime(summary: list[dict], path: str, x: str = "tokens_per_step") -> str:
-    """Speedup of the cached path over the naive one (forward and step) against ``x``; one line per
-    (model, backend, mix). The baseline (naive) is 1.0x."""
+    """The regime map: speedup of the cached path over the naive one (forward, step) against ``x``.
+
+    One column per model, one line per (backend, length mix); the naive path is 1.0x.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups: dict[tuple, list[dict]] = {}
-    for s in summary:
-        groups.setdefault((s["model"], s["backend"], s["mix"]), []).append(s)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for ax, phase in zip(axes, ("forward", "step")):
-        for (model, backend, mix), rows in sorted(groups.items()):
-            rows = sorted(rows, key=lambda r: r[x])
-            ys = [r.get(f"cached_{phase}_speedup") for r in rows]
-            if all(y is None for y in ys):
-                continue
-            xs = [r[x] for r in rows]
-            ax.plot(xs, ys, marker="o", label=f"{model} | {backend} | {mix}")
-            for xi, yi in zip(xs, ys):
-                if yi is not None:
+    models = sorted({s["model"] for s in summary})
+    fig, axes = plt.subplots(2, len(models), figsize=(5.2 * len(models), 7.0), squeeze=False, sharey="row")
+    for col, model in enumerate(models):
+        groups: dict[tuple, list[dict]] = {}
+        for s in summary:
+            if s["model"] == model:
+                groups.setdefault((s["backend"], s["mix"]), []).append(s)
+        layers = next((s.get("num_layers") for s in summary if s["model"] == model), None)
+        for row, phase in enumerate(("forward", "step")):
+            ax = axes[row][col]
+            for (backend, mix), rows in sorted(groups.items()):
+                rows = sorted(rows, key=lambda r: r[x])
+                pts = [(r[x], r.get(f"cached_{phase}_speedup")) for r in rows if r.get(f"cached_{phase}_speedup")]
+                if not pts:
+                    continue
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="o", label=f"{backend} | {mix}")
+                for xi, yi in pts:
                     ax.annotate(f"{yi:.2f}x", (xi, yi), textcoords="offset points", xytext=(0, 5), fontsize=7,
                                 ha="center")
-        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel(x.replace("_", " "))
-        ax.set_title(f"{phase}: cached vs naive (higher is better)", fontsize=9)
-    axes[0].set_ylabel("speedup over the naive path")
-    axes[1].legend(fontsize=7)
+            ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{model} ({layers} layers): {phase}, cached vs naive", fontsize=9)
+            if row == 1:
+                ax.set_xlabel(x.replace("_", " "))
+            if col == 0:
+                ax.set_ylabel(f"{phase} speedup over the naive path")
+            ax.legend(fontsize=7)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -572,7 +580,7 @@ def _default_options(device: torch.device, smoke: bool) -> dict:
                     mixes=None)
     return dict(models=["qwen3-14b"], tokens=[4096, 16384], backends=["sdpa", "varlen", "flex"], mix="realistic",
                 num_layers=8, quant="nf4", lora_rank=16, gradient_checkpointing=True, dtype=torch.bfloat16,
-                steps=6, warmup=2, stock=True, mixes=None)
+                steps=5, warmup=2, stock=True, mixes=None)
 
 
 def _sweep_options() -> dict:
@@ -587,7 +595,8 @@ def bench_scenario(*, device, smoke: bool, out_dir: str, steps: int | None = Non
 
     Defaults -- GPU: Qwen3-14B width, ``num_layers=8``, NF4 + LoRA r16 on all projections, gradient
     checkpointing, tokens per step {4096, 16384} from the realistic mix, backends sdpa, varlen, flex
-    (xformers/flash are added when asked and available), warmup 2, steps 6. Smoke/CPU: tiny-qwen3 and
+    (xformers/flash are added when asked and available), warmup 2, steps 5 -- about 3-4 min on an H200, a good
+    part of it torch.compile for flex (``--set packed.backends=sdpa,varlen`` skips it). Smoke/CPU: tiny-qwen3 and
     tiny-gpt-oss, 512 tokens of short sequences, sdpa and varlen (reference kernel), float32.
 
     Options (all optional): ``models``, ``tokens`` (list of tokens per step), ``backends``, ``mix`` or ``mixes``,

@@ -645,8 +645,9 @@ def test_trl_sft_trainer_with_packed_collator_matches_plain_path(tmp_path):
 def test_bench_scenario_smoke(tmp_path):
     from fastsft_lab.packed import bench_scenario
 
+    # scalars, as `--set packed.tokens=256` gives them
     results = bench_scenario(device="cpu", smoke=True, out_dir=str(tmp_path), steps=1, warmup=0, progress=False,
-                             models=["tiny-qwen3"], backends=["sdpa"], tokens=[256])
+                             models="tiny-qwen3", backends="sdpa", tokens=256)
     assert len(results) == 1
     rows = {r["name"]: r for r in results[0]["variants"]}
     assert set(rows) == {"sdpa naive", "sdpa cached", "sdpa oracle", "stock sdpa"}
@@ -655,6 +656,22 @@ def test_bench_scenario_smoke(tmp_path):
     assert all(r["note"] for r in rows.values())
     assert (tmp_path / "packed_tiny-qwen3_256_short_sdpa.json").exists()
     assert (tmp_path / "packed_regime.png").exists()
+    with pytest.raises(ValueError, match="unknown packed-attention backend"):
+        bench_scenario(device="cpu", smoke=True, out_dir=str(tmp_path), backends=["nope"])
+
+
+def test_naive_variants_for_notebook_00():
+    from fastsft_lab.packed import naive_variants
+
+    model = make_model("tiny-qwen3")
+    (variant,) = naive_variants(model, backends=["sdpa"])
+    assert variant.name == "sdpa naive" and variant.toggles["packed_metadata_cache"] is False
+    variant.enable(model)
+    try:
+        assert packed_attention_state(model)["cache"] is False
+    finally:
+        variant.disable(model)
+    assert packed_attention_state(model) is None
 
 
 # --- CUDA (run on the GPU machine) -------------------------------------------------------------------------------
