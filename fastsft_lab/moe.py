@@ -18,6 +18,16 @@ The fix, in two steps (the toggle ``moe_routing``):
 * ``sync_free`` - the same grouping with the offsets left on the device, feeding a grouped matmul
   (``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm``: bf16 on CUDA sm80+, and a CPU kernel in
   torch >= 2.9): zero host syncs. Where no grouped matmul runs it falls back to ``grouped`` (and says so).
+  Against transformers' own ``grouped_mm`` experts (same idea) it trims the glue around the two matmuls: no
+  expert-parallel sentinel masking, biases folded into small GEMMs instead of (S, .) gathers, the routing weights
+  applied inside the k-way reduction, gathers whose backward is a gather, and GPT-OSS's clamped gate fused into one
+  Triton kernel each way on CUDA.
+
+Usage::
+
+    from fastsft_lab.moe import set_moe_routing, quantize_experts_nf4
+    set_moe_routing(model, "sync_free")   # or "grouped" / "naive"; None or "off" restores the original
+    quantize_experts_nf4(model)           # optional: NF4 expert weights for a QLoRA memory budget
 
 Switching is done through transformers' own extension point, the experts registry
 (``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS`` and ``config._experts_implementation``), so the
@@ -38,6 +48,7 @@ Equivalence (float32, CPU) with transformers' eager experts - outputs and gradie
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -1077,6 +1088,37 @@ def _slug(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in str(text))
 
 
+@dataclasses.dataclass
+class _Plan:
+    """The resolved options of one ``bench_scenario`` run."""
+
+    device: torch.device
+    smoke: bool
+    out_dir: str
+    steps: int
+    warmup: int
+    progress: bool
+    preset: Any
+    num_layers: int | None
+    tokens: list
+    row_tokens: int
+    modes: list
+    quant: str | None
+    lora_rank: int
+    lora_experts: bool
+    attn: str | None
+    packed_backend: str | None
+    micro: bool
+    micro_presets: list
+    micro_reps: int
+    variants: list | None
+    dtype: torch.dtype
+
+    @property
+    def gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+
 def bench_scenario(*, device, smoke: bool, out_dir: str, steps: int | None = None, warmup: int | None = None,
                    progress: bool = True, **options) -> list[dict]:
     """Benchmark the routing modes on GPT-OSS (whole model steps + one layer's experts alone).
@@ -1094,68 +1136,88 @@ def bench_scenario(*, device, smoke: bool, out_dir: str, steps: int | None = Non
         micro: True - also time one layer's experts alone per implementation, plus "expert matmuls alone".
         micro_presets: extra presets for the experts microbenchmark only (1 layer built),
             ``["qwen3-30b-a3b"]`` / ``["tiny-qwen3-moe"]``.
-        micro_reps: 10 / 3.
+        micro_reps: 10 / 5.
         variants: subset of names to run (default all five).
+        dtype: bfloat16 / float32.
     """
+    from .models import get_preset
+
+    device = torch.device(device)
+    gpu = device.type == "cuda"
+    dtype = options.pop("dtype", torch.bfloat16 if gpu else torch.float32)
+    plan = _Plan(
+        device=device, smoke=smoke, out_dir=out_dir, progress=progress,
+        steps=steps if steps is not None else (2 if smoke else 6),
+        warmup=warmup if warmup is not None else (1 if smoke else 2),
+        preset=get_preset(options.pop("preset", "tiny-gpt-oss" if smoke else "gpt-oss-20b")),
+        num_layers=options.pop("num_layers", None if smoke else 4),
+        tokens=[int(t) for t in _as_list(options.pop("tokens", None), [256] if smoke else [8192, 16384])],
+        row_tokens=int(options.pop("row_tokens", 128 if smoke else 2048)),
+        modes=_as_list(options.pop("modes", None), ["forward", "train"]),
+        quant=options.pop("quant", None),
+        lora_rank=int(options.pop("lora_rank", 16)),
+        lora_experts=bool(options.pop("lora_experts", False)),
+        attn=options.pop("attn_implementation", None),
+        packed_backend=options.pop("packed_backend", None),
+        micro=bool(options.pop("micro", True)),
+        micro_presets=_as_list(options.pop("micro_presets", None),
+                               ["tiny-qwen3-moe"] if smoke else ["qwen3-30b-a3b"]),
+        micro_reps=int(options.pop("micro_reps", 5 if smoke else 10)),
+        variants=_as_list(options.pop("variants"), []) if "variants" in options else None,
+        dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype,
+    )
+    if options:
+        raise ValueError(f"unknown moe scenario option(s): {sorted(options)}")
+    if plan.quant not in (None, "nf4"):
+        raise ValueError(f"quant must be None or 'nf4', got {plan.quant!r}")
+    if plan.quant == "nf4" and plan.lora_experts:
+        raise ValueError("lora_experts=True needs bf16 experts (PEFT cannot parametrize NF4 expert weights)")
+    bad = [m for m in plan.modes if m not in ("forward", "train")]
+    if bad:
+        raise ValueError(f"modes must be 'forward' and/or 'train', got {bad}")
+    os.makedirs(out_dir, exist_ok=True)
+    threads = torch.get_num_threads()
+    if not gpu:
+        # Tiny CPU models gain nothing from intra-op threads, and on a shared 2-core machine spinning OpenMP workers
+        # turn every step into noise; one thread gives repeatable smoke numbers.
+        torch.set_num_threads(1)
+    try:
+        return _bench(plan)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _bench(plan: _Plan) -> list[dict]:
     from .bench import format_table, make_result, plot_result, run_variants, write_json
     from .data import benchmark_batches
     from .models import LoraSettings, build_model, get_preset
 
-    device = torch.device(device)
-    gpu = device.type == "cuda"
-    preset = get_preset(options.pop("preset", "tiny-gpt-oss" if smoke else "gpt-oss-20b"))
-    num_layers = options.pop("num_layers", None if smoke else 4)
-    tokens_list = [int(t) for t in _as_list(options.pop("tokens", None), [256] if smoke else [8192, 16384])]
-    row_tokens = int(options.pop("row_tokens", 128 if smoke else 2048))
-    modes = _as_list(options.pop("modes", None), ["forward", "train"])
-    quant = options.pop("quant", None)
-    lora_rank = int(options.pop("lora_rank", 16))
-    lora_experts = bool(options.pop("lora_experts", False))
-    attn = options.pop("attn_implementation", None)
-    packed_backend = options.pop("packed_backend", None)
-    micro = bool(options.pop("micro", True))
-    micro_presets = _as_list(options.pop("micro_presets", None), ["tiny-qwen3-moe"] if smoke else ["qwen3-30b-a3b"])
-    micro_reps = int(options.pop("micro_reps", 3 if smoke else 10))
-    only = options.pop("variants", None)
-    dtype = options.pop("dtype", torch.bfloat16 if gpu else torch.float32)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    if options:
-        raise ValueError(f"unknown moe scenario option(s): {sorted(options)}")
-    if quant not in (None, "nf4"):
-        raise ValueError(f"quant must be None or 'nf4', got {quant!r}")
-    if quant == "nf4" and lora_experts:
-        raise ValueError("lora_experts=True needs bf16 experts (PEFT cannot parametrize NF4 expert weights)")
-    steps = steps if steps is not None else (2 if smoke else 6)
-    warmup = warmup if warmup is not None else (1 if smoke else 2)
-    os.makedirs(out_dir, exist_ok=True)
-
+    preset, device, dtype, quant = plan.preset, plan.device, plan.dtype, plan.quant
     t0 = time.time()
-    lora = LoraSettings(rank=lora_rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                        lora_experts=lora_experts and preset.family == "gpt_oss")
-    model = build_model(preset, device=device, dtype=dtype, quant=quant, lora=lora, num_layers=num_layers,
-                        attn_implementation=attn)
+    lora = LoraSettings(rank=plan.lora_rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                        lora_experts=plan.lora_experts and preset.family == "gpt_oss")
+    model = build_model(preset, device=device, dtype=dtype, quant=quant, lora=lora, num_layers=plan.num_layers,
+                        attn_implementation=plan.attn)
     info = model.fastsft_info
     if quant == "nf4":
         quantize_experts_nf4(model, compute_dtype=dtype)
     attention = info.attn_implementation
     inputs_fn = None
-    if packed_backend:
+    if plan.packed_backend:
         from . import packed  # optimization 1's attention backends (GPT-OSS sinks + sliding window)
 
-        packed.enable_packed_attention(model, backend=packed_backend)
-        attention = f"packed:{packed_backend} ({packed.attn_implementation_name(packed_backend)})"
+        packed.enable_packed_attention(model, backend=plan.packed_backend)
+        attention = f"packed:{plan.packed_backend} ({packed.attn_implementation_name(plan.packed_backend)})"
         inputs_fn = lambda batch, state=None: packed.packed_inputs(batch)  # noqa: E731 - metadata built once
     build_s = time.time() - t0
-    if progress:
+    if plan.progress:
         print(f"  built {preset.name} ({info.num_layers} layers, quant={quant}, attention={attention}) in "
               f"{build_s:.0f}s")
 
     variants = routing_variants(preset.family, inputs=inputs_fn)
-    if only:
-        wanted = set(_as_list(only, []))
-        variants = [v for v in variants if v.name in wanted]
-    if quant == "nf4" and not only:
+    if plan.variants:
+        variants = [v for v in variants if v.name in set(plan.variants)]
+    elif quant == "nf4":
         # Stock eager reads self.gate_up_proj per expert: on NF4 that dequantizes the whole layer per expert and
         # autograd keeps every copy (out of memory in training); it is not a fair peer there.
         variants = [v for v in variants if v.name != "transformers eager"]
@@ -1164,26 +1226,26 @@ def bench_scenario(*, device, smoke: bool, out_dir: str, steps: int | None = Non
         "model": preset.name, "family": preset.family, "num_layers": info.num_layers,
         "num_layers_full": preset.config["num_hidden_layers"], "dtype": str(dtype).replace("torch.", ""),
         "quant": quant or "none", "expert_weights": "nf4" if quant == "nf4" else str(dtype).replace("torch.", ""),
-        "lora_rank": lora_rank, "lora_targets": list(lora.target_modules), "lora_experts": lora.lora_experts,
-        "attn_implementation": attention, "row_tokens": row_tokens, "steps": steps, "warmup": warmup,
+        "lora_rank": plan.lora_rank, "lora_targets": list(lora.target_modules), "lora_experts": lora.lora_experts,
+        "attn_implementation": attention, "row_tokens": plan.row_tokens, "steps": plan.steps, "warmup": plan.warmup,
         "num_experts": preset.config.get("num_local_experts", preset.config.get("num_experts")),
         "top_k": preset.config.get("num_experts_per_tok"), "build_seconds": round(build_s, 1),
         "params_total": info.params_total, "params_trainable": info.params_trainable,
-        "sync_free_gate": "fused triton" if (preset.family == "gpt_oss" and gpu and _HAS_TRITON and _FUSED_GLU[0])
-        else "eager",
+        "sync_free_gate": "fused triton" if (preset.family == "gpt_oss" and plan.gpu and _HAS_TRITON
+                                             and _FUSED_GLU[0]) else "eager",
     }
     if quant == "nf4":
         base_config.update(nf4_expert_bytes(model))
-    for tokens in tokens_list:
-        rt = min(row_tokens, tokens)
-        batches = benchmark_batches(tokens_per_step=tokens, row_tokens=rt, steps=max(2, min(steps, 4)),
-                                    vocab_size=model.config.vocab_size, mix="short" if smoke else "realistic")
+    for tokens in plan.tokens:
+        rt = min(plan.row_tokens, tokens)
+        batches = benchmark_batches(tokens_per_step=tokens, row_tokens=rt, steps=max(2, min(plan.steps, 4)),
+                                    vocab_size=model.config.vocab_size, mix="short" if plan.smoke else "realistic")
         batches = [b.to(device) for b in batches]
         stats = routing_stats(model, inputs_fn(batches[0]) if inputs_fn else batches[0].model_inputs())
-        for mode in modes:
+        for mode in plan.modes:
             label = f"{preset.name} {tokens} tok {mode}"
-            rows = run_variants(model, batches, variants, steps=steps, warmup=warmup, mode=mode, progress=progress,
-                                label=label)
+            rows = run_variants(model, batches, variants, steps=plan.steps, warmup=plan.warmup, mode=mode,
+                                progress=plan.progress, label=label)
             config = dict(base_config, tokens_per_step=tokens, row_tokens=rt, mode=mode, routing=stats)
             notes = ("Whole-model steps; the variants differ only in the experts forward. 'naive' and "
                      "'transformers eager' run the same loop. Routing from random router weights (see "
@@ -1191,40 +1253,39 @@ def bench_scenario(*, device, smoke: bool, out_dir: str, steps: int | None = Non
                      "JSON for the per-layer view.")
             result = make_result("moe-routing", config, rows, device, notes=notes)
             stem = _slug(f"moe_{preset.name}_L{info.num_layers}_{tokens}tok_{mode}" + ("_nf4" if quant else ""))
-            write_json(result, os.path.join(out_dir, stem + ".json"))
-            plot_result(result, os.path.join(out_dir, stem + ".png"),
+            write_json(result, os.path.join(plan.out_dir, stem + ".json"))
+            plot_result(result, os.path.join(plan.out_dir, stem + ".png"),
                         phases=("forward",) if mode == "forward" else ("forward", "backward", "step"))
-            if progress:
+            if plan.progress:
                 print(f"\n  {label}\n" + format_table(result))
             results.append(result)
-        if micro:
-            results.append(_micro_result(model, preset.name, tokens, device, dtype, quant, warmup, micro_reps,
-                                         out_dir, progress, num_layers=info.num_layers))
+        if plan.micro:
+            results.append(_micro_result(model, preset.name, tokens, plan, num_layers=info.num_layers))
     del model
-    if gpu:
+    if plan.gpu:
         torch.cuda.empty_cache()
-    if micro:
-        for name in micro_presets:
+    if plan.micro:
+        for name in plan.micro_presets:
             mp = get_preset(name)
             m = build_model(mp, device=device, dtype=dtype, num_layers=1)
             if quant == "nf4":
                 quantize_experts_nf4(m, compute_dtype=dtype)
-            for tokens in tokens_list:
-                results.append(_micro_result(m, mp.name, tokens, device, dtype, quant, warmup, micro_reps, out_dir,
-                                             progress, num_layers=1))
+            for tokens in plan.tokens:
+                results.append(_micro_result(m, mp.name, tokens, plan, num_layers=1))
             del m
-            if gpu:
+            if plan.gpu:
                 torch.cuda.empty_cache()
     return results
 
 
-def _micro_result(model, preset_name, tokens, device, dtype, quant, warmup, reps, out_dir, progress, *,
-                  num_layers) -> dict:
+def _micro_result(model: nn.Module, preset_name: str, tokens: int, plan: _Plan, *, num_layers: int) -> dict:
     from .bench import format_table, make_result, plot_result, write_json
 
+    device, dtype, quant, warmup, reps = plan.device, plan.dtype, plan.quant, plan.warmup, plan.micro_reps
     rows = experts_microbenchmark(model, tokens=tokens, warmup=warmup, reps=reps)
     experts = experts_modules(model)[0]
-    config = {"model": preset_name, "tokens_per_step": tokens, "layer": 0, "num_experts": experts.num_experts,
+    config = {"model": preset_name, "tokens_per_step": tokens, "mode": "one layer's experts (step = fwd+bwd)",
+              "layer": 0, "num_experts": experts.num_experts,
               "top_k": model.config.num_experts_per_tok, "hidden_size": _hidden_size(experts),
               "dtype": str(dtype).replace("torch.", ""), "expert_weights": "nf4" if quant == "nf4" else
               str(dtype).replace("torch.", ""), "reps": reps, "warmup": warmup, "model_num_layers": num_layers,
@@ -1234,10 +1295,10 @@ def _micro_result(model, preset_name, tokens, device, dtype, quant, warmup, reps
                          notes="One MoE layer's experts alone, same input and routing for every implementation; "
                                "the router runs outside the timing.")
     stem = _slug(f"moe_experts_{preset_name}_{tokens}tok" + ("_nf4" if quant else ""))
-    write_json(result, os.path.join(out_dir, stem + ".json"))
-    plot_result(result, os.path.join(out_dir, stem + ".png"), phases=("forward", "step"),
+    write_json(result, os.path.join(plan.out_dir, stem + ".json"))
+    plot_result(result, os.path.join(plan.out_dir, stem + ".png"), phases=("forward", "step"),
                 title=f"one MoE layer's experts: {preset_name}, {tokens} tokens (step = forward + backward)")
-    if progress:
+    if plan.progress:
         print(f"\n  experts alone: {preset_name} {tokens} tok\n" + format_table(result))
     return result
 

@@ -25,6 +25,15 @@ ATTN_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL_IMPLS = ("eager",) + MODES + ("grouped_mm",)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny models: intra-op threads only add spin-wait noise on a small shared CPU.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # --- helpers -----------------------------------------------------------------------------------------------------
 def make_experts(family: str, *, hidden: int = 16, inter: int = 8, experts: int = 6, top_k: int = 2,
                  dtype=torch.float32, device="cpu", seed: int = 0):
