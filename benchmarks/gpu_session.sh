@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One GPU call of the benchmark session (run from the repo root on the GPU machine, wheels carried in .whl/.nbwhl).
+#   benchmarks/gpu_session.sh check     # CUDA tests + a tiny run of every scenario on the GPU (shakes out CUDA bugs)
+#   benchmarks/gpu_session.sh bench A   # real-size scenarios (A: packed + moe, B: offload + notebooks)
+# Everything it writes goes under $OUT (logs + one tarball of benchmarks/results and executed notebooks).
+set -uo pipefail
+stage=${1:-check}; part=${2:-A}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  $( [ -d .nbwhl ] && ls .nbwhl/*.whl ) || exit 3
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 MPLBACKEND=Agg TOKENIZERS_PARALLELISM=false
+R=benchmarks/results/h200-$(date -u +%Y-%m-%d)
+mkdir -p "$R"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/nvidia-smi.csv" 2>&1
+python3 -m fastsft_lab info > "$R/info-$stage$part.txt" 2>&1
+case "$stage" in
+  check)
+    timeout 300 python3 -m pytest -q -m cuda tests -p no:cacheprovider -x --no-header -rfE 2>&1 | tail -60 | tee "$OUT/cuda_tests.log"
+    timeout 240 python3 -m fastsft_lab bench --smoke --device cuda --out "$R/check" --quiet 2>&1 | tail -80 | tee "$OUT/check_bench.log"
+    ;;
+  bench)
+    if [ "$part" = A ]; then
+      timeout 330 python3 -m fastsft_lab bench --full --only packed --out "$R/bench" 2>&1 | grep -v '^\s*$' | tee "$OUT/bench_packed.log" | tail -60
+      timeout 230 python3 -m fastsft_lab bench --full --only moe --out "$R/bench" 2>&1 | grep -v '^\s*$' | tee "$OUT/bench_moe.log" | tail -60
+    else
+      timeout 250 python3 -m fastsft_lab bench --full --only offload --out "$R/bench" 2>&1 | tee "$OUT/bench_offload.log" | tail -60
+      SMOKE=0 timeout 300 python3 benchmarks/run_notebooks.py notebooks/0*.ipynb 2>&1 | tail -40 | tee "$OUT/notebooks.log"
+      tar czf "$OUT/notebooks.tgz" notebooks/*.ipynb
+    fi
+    ;;
+esac
+tar czf "$OUT/results-$stage$part.tgz" "$R"
+ls -la "$OUT"
