@@ -267,9 +267,13 @@ def test_sync_free_fallback_warns_and_stays_exact(monkeypatch):
     assert_close(out, ref, "fallback")
 
 
-def test_cpu_grouped_mm_runs_here():
-    x, w = torch.randn(8, 16), torch.randn(3, 16, 8)
+def test_cpu_grouped_mm_runs_here_and_is_exact():
+    x, w = torch.randn(10, 16), torch.randn(4, 16, 8)
     assert moe.grouped_mm_unavailable(x, w) is None  # torch >= 2.9 has a CPU kernel: the real path is tested
+    offs = torch.tensor([3, 3, 7, 10], dtype=torch.int32)  # expert 1 empty
+    out = moe._grouped_mm(x, w, offs)
+    ref = torch.cat([x[0:3] @ w[0], x[3:7] @ w[2], x[7:10] @ w[3]])
+    assert_close(out, ref, "cpu grouped_mm", tol=1e-6)
 
 
 # --- the fused GPT-OSS gate (Triton; interpreted on the CPU where triton is installed) --------------------------------
