@@ -1079,7 +1079,7 @@ def routing_variants(model_family: str = "gpt_oss", inputs: Callable | None = No
 
 
 def _as_list(value, default):
-    if value is None:
+    if value is None or value == "default":
         return list(default)
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
@@ -1135,7 +1135,7 @@ def bench_scenario(*, device, smoke: bool, out_dir: str, steps: int | None = Non
         packed_backend: None, or a backend name for ``fastsft_lab.packed.enable_packed_attention``.
         micro: True - also time one layer's experts alone per implementation, plus "expert matmuls alone".
         micro_presets: extra presets for the experts microbenchmark only (1 layer built),
-            ``["qwen3-30b-a3b"]`` / ``["tiny-qwen3-moe"]``.
+            ``["qwen3-30b-a3b"]`` / ``["tiny-qwen3-moe"]``; ``none`` for no extra preset.
         micro_reps: 10 / 5.
         variants: subset of names to run (default all five).
         dtype: bfloat16 / float32.
@@ -1160,7 +1160,7 @@ def bench_scenario(*, device, smoke: bool, out_dir: str, steps: int | None = Non
         attn=options.pop("attn_implementation", None),
         packed_backend=options.pop("packed_backend", None),
         micro=bool(options.pop("micro", True)),
-        micro_presets=_as_list(options.pop("micro_presets", None),
+        micro_presets=_as_list(options.pop("micro_presets", "default") or [],  # None/false (CLI "none"): no extra
                                ["tiny-qwen3-moe"] if smoke else ["qwen3-30b-a3b"]),
         micro_reps=int(options.pop("micro_reps", 5 if smoke else 10)),
         variants=_as_list(options.pop("variants"), []) if "variants" in options else None,
