@@ -33,7 +33,6 @@ transformers lets packed sequences attend to each other (see ``cross_contaminati
 
 from __future__ import annotations
 
-import logging
 import os
 import warnings
 from dataclasses import dataclass
@@ -64,8 +63,6 @@ from .attention.metadata import (
 )
 from .data import IGNORE_INDEX, Example, PackedBatch, best_fit_decreasing, collate_rows, validate_lengths
 from .models import base_model, decoder_layers
-
-logger = logging.getLogger(__name__)
 
 # Names in transformers' AttentionInterface. transformers reads meaning into substrings of these names: anything
 # containing "sdpa" is refused by models without SDPA support (GPT-OSS), "flash" is treated as a flash-attention
@@ -417,13 +414,6 @@ def _windows_and_sinks(model: nn.Module) -> tuple[tuple[int | None, ...], bool]:
         windows.add(getattr(attn, "sliding_window", None))
         sinks = sinks or getattr(attn, "sinks", None) is not None
     return tuple(sorted(windows, key=lambda w: -1 if w is None else w)), sinks
-
-
-def _dtype_of(model: nn.Module) -> torch.dtype:
-    for p in model.parameters():
-        if p.is_floating_point() and p.dtype in (torch.float32, torch.bfloat16, torch.float16) and p.requires_grad:
-            return p.dtype
-    return next(p.dtype for p in model.parameters() if p.is_floating_point())
 
 
 def _compute_dtype(model: nn.Module) -> torch.dtype:

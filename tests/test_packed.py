@@ -6,7 +6,6 @@ GPT-OSS): packed logits and LoRA gradients must equal it, on every backend that 
 
 from __future__ import annotations
 
-import copy
 import math
 import pickle
 import warnings
@@ -17,7 +16,7 @@ import torch
 
 from fastsft_lab.attention import kernels as K
 from fastsft_lab.attention.metadata import NAIVE_BUILDS, PackedMetadata, naive_dense_mask, naive_varlen_args
-from fastsft_lab.data import IGNORE_INDEX, collate_rows, pack_examples, synthetic_corpus, unpack
+from fastsft_lab.data import IGNORE_INDEX, pack_examples, synthetic_corpus, unpack
 from fastsft_lab.models import LoraSettings, base_model, build_model, decoder_layers
 from fastsft_lab.packed import (
     ATTN_NAMES,
