@@ -15,13 +15,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$R/nvidi
 python3 -m fastsft_lab info > "$R/info-$stage$part.txt" 2>&1
 case "$stage" in
   check)
-    timeout 300 python3 -m pytest -q -m cuda tests -p no:cacheprovider -x --no-header -rfE 2>&1 | tail -60 | tee "$OUT/cuda_tests.log"
+    timeout 300 python3 -m pytest -q -m cuda tests -p no:cacheprovider --no-header -rfE 2>&1 | tail -60 | tee "$OUT/cuda_tests.log"
     timeout 240 python3 -m fastsft_lab bench --smoke --device cuda --out "$R/check" --quiet 2>&1 | tail -80 | tee "$OUT/check_bench.log"
     ;;
   bench)
     if [ "$part" = A ]; then
-      timeout 330 python3 -m fastsft_lab bench --full --only packed --out "$R/bench" 2>&1 | grep -v '^\s*$' | tee "$OUT/bench_packed.log" | tail -60
-      timeout 230 python3 -m fastsft_lab bench --full --only moe --out "$R/bench" 2>&1 | grep -v '^\s*$' | tee "$OUT/bench_moe.log" | tail -60
+      timeout 100 python3 -m pytest -q -m cuda tests -p no:cacheprovider --no-header -rfE 2>&1 | tail -80 > "$OUT/cuda_tests.log"
+      timeout 290 python3 -m fastsft_lab bench --full --only packed --out "$R/bench" 2>&1 | grep -v '^\s*$' | tee "$OUT/bench_packed.log" | tail -60
+      timeout 190 python3 -m fastsft_lab bench --full --only moe --out "$R/bench" 2>&1 | grep -v '^\s*$' | tee "$OUT/bench_moe.log" | tail -60
     else
       timeout 250 python3 -m fastsft_lab bench --full --only offload --out "$R/bench" 2>&1 | tee "$OUT/bench_offload.log" | tail -60
       SMOKE=0 timeout 300 python3 benchmarks/run_notebooks.py notebooks/0*.ipynb 2>&1 | tail -40 | tee "$OUT/notebooks.log"
