@@ -489,10 +489,13 @@ def naive_variants(model: nn.Module, backends: Sequence[str] = ("sdpa",), device
     return [packed_variants(model, b, device)[0] for b in backends]
 
 
-def _stock_for(backend: str, family: str) -> str:
-    if family == "gpt_oss":
-        return "eager" if backend != "flex" else "flex_attention"
-    return "flex_attention" if backend == "flex" else "sdpa"
+def _stock_for(backend: str, family: str) -> str | None:
+    """The stock path a user of ``backend`` would otherwise run (None: the same as another config's stock)."""
+    if backend == "flex":
+        return "flex_attention"
+    if backend == "varlen":
+        return None   # stock transformers has no torch-varlen path; its stock sdpa/eager is timed in the sdpa config
+    return "eager" if family == "gpt_oss" else "sdpa"
 
 
 def _result_name(model: str, tokens: int, mix: str, backend: str) -> str:
@@ -570,7 +573,7 @@ def _default_options(device: torch.device, smoke: bool) -> dict:
                     mixes=None)
     return dict(models=["qwen3-14b"], tokens=[4096, 16384], backends=["sdpa", "varlen", "flex"], mix="realistic",
                 num_layers=8, quant="nf4", lora_rank=16, gradient_checkpointing=True, dtype=torch.bfloat16,
-                steps=5, warmup=2, stock=True, mixes=None)
+                steps=4, warmup=2, stock=True, mixes=None)
 
 
 def _sweep_options() -> dict:
@@ -585,8 +588,9 @@ def bench_scenario(*, device, smoke: bool, out_dir: str, steps: int | None = Non
 
     Defaults -- GPU: Qwen3-14B width, ``num_layers=8``, NF4 + LoRA r16 on all projections, gradient
     checkpointing, tokens per step {4096, 16384} from the realistic mix, backends sdpa, varlen, flex
-    (xformers/flash are added when asked and available), warmup 2, steps 5 -- about 3-4 min on an H200, a good
-    part of it torch.compile for flex (``--set packed.backends=sdpa,varlen`` skips it). Smoke/CPU: tiny-qwen3 and
+    (xformers/flash are added when asked and available), warmup 2, steps 4 -- roughly 3-5 min on an H200, a good
+    part of it torch.compile for flex (``--set packed.backends=sdpa,varlen`` skips it). Each configuration's JSON
+    and the regime summary are written as soon as it finishes, so a time limit keeps what was done. Smoke/CPU: tiny-qwen3 and
     tiny-gpt-oss, 512 tokens of short sequences, sdpa and varlen (reference kernel), float32.
 
     Options (all optional): ``models``, ``tokens`` (list of tokens per step), ``backends``, ``mix`` or ``mixes``,
@@ -665,14 +669,19 @@ def bench_scenario(*, device, smoke: bool, out_dir: str, steps: int | None = Non
                     results.append(result)
                     summary.append({"model": model_name, "backend": backend, "mix": mix, "tokens_per_step": tokens,
                                     "num_layers": config["num_layers"], **result["speedups"]})
+                    _write_regime(summary, results, out_dir)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if summary:
-        write_json({"scenario": "packed_metadata_regime", "summary": summary,
-                    "env": results[0]["env"] if results else None}, os.path.join(out_dir, "packed_regime.json"))
-        plot_regime(summary, os.path.join(out_dir, "packed_regime.png"))
     return results
+
+
+def _write_regime(summary: list[dict], results: list[dict], out_dir: str) -> None:
+    from .bench import write_json
+
+    write_json({"scenario": "packed_metadata_regime", "summary": summary, "env": results[0]["env"]},
+               os.path.join(out_dir, "packed_regime.json"))
+    plot_regime(summary, os.path.join(out_dir, "packed_regime.png"))
 
 
 __all__ = [

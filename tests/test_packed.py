@@ -699,10 +699,13 @@ def cuda_reference(meta, q, k, v, sinks, scale, window):
     return out, (qf, kf, vf, sf)
 
 
+CUDA_KERNEL_CASES = [(b, w, s) for b in ("sdpa", "varlen") for w in (None, 32) for s in (False, True)] + \
+    [("flex", None, False), ("flex", 32, True)]   # each flex case is a torch.compile: keep two
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("sinks_on", [False, True], ids=["no-sinks", "sinks"])
-@pytest.mark.parametrize("window", [None, 32])
-@pytest.mark.parametrize("backend", ["sdpa", "varlen", "flex"])
+@pytest.mark.parametrize("backend, window, sinks_on", CUDA_KERNEL_CASES,
+                         ids=[f"{b}-w{w}-{'sinks' if s else 'nosinks'}" for b, w, s in CUDA_KERNEL_CASES])
 def test_cuda_kernels_forward_backward_match_float32_reference(backend, window, sinks_on):
     meta, q, k, v, sinks = cuda_case()
     sinks = sinks if sinks_on else None
@@ -737,9 +740,11 @@ def test_cuda_metadata_one_async_copy_no_sync():
     assert t.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 0, 1], [0, 1, 2, 3, 0, 1, 2, 3, 4, 5]]
 
 
+CUDA_MODEL_CASES = [(p, b) for p in PRESETS for b in ("sdpa", "varlen")] + [("tiny-gpt-oss", "flex")]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("backend", ["sdpa", "varlen", "flex"])
+@pytest.mark.parametrize("preset, backend", CUDA_MODEL_CASES, ids=[f"{p}-{b}" for p, b in CUDA_MODEL_CASES])
 def test_cuda_model_packed_equals_alone_and_naive_equals_cached(preset, backend):
     model = build_model(preset, device="cuda", dtype=torch.bfloat16, lora=LoraSettings(rank=4),
                         gradient_checkpointing=True, seed=0)
@@ -768,12 +773,10 @@ def test_cuda_model_packed_equals_alone_and_naive_equals_cached(preset, backend)
 
 @pytest.mark.cuda
 def test_cuda_stock_flex_contamination_and_ours_does_not():
-    """Stock transformers flex_attention: Qwen3 leaks only with a 2-D mask; GPT-OSS (flex is its only stock path
-    with sinks besides eager and hub flash kernels) never passes position_ids to its mask, so it always leaks."""
+    """Stock transformers flex_attention on GPT-OSS (its only stock path with sinks besides eager and hub flash
+    kernels): the model never passes position_ids to its mask functions, so packed sequences leak. (Qwen3's
+    flex path shares masking_utils with eager/sdpa, checked on the CPU.)"""
     batch = make_batch().to("cuda")
-    qwen = build_model("tiny-qwen3", device="cuda", dtype=torch.float32, attn_implementation="flex_attention").eval()
-    assert cross_contamination(qwen, batch) < 1e-3
-    assert cross_contamination(qwen, batch, attention_mask_ones=True) > 1e-2
     model = build_model("tiny-gpt-oss", device="cuda", dtype=torch.float32, attn_implementation="flex_attention")
     model.eval()
     leak = cross_contamination(model, batch)
