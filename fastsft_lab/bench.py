@@ -151,9 +151,11 @@ def run_variants(
                         samples[v.name].setdefault(phase, []).append(ms)
                     losses[v.name].append(float(loss))
                 del state
-            except torch.cuda.OutOfMemoryError as e:  # report, don't crash the other variants
-                failures[v.name] = f"out of memory: {str(e).splitlines()[0]}"
-                timer.collect() if timer._events else None
+            except Exception as e:  # noqa: BLE001 - report (OOM, a kernel that fails here), don't crash the others
+                kind = "out of memory" if isinstance(e, torch.cuda.OutOfMemoryError) else type(e).__name__
+                failures[v.name] = f"{kind}: {(str(e).splitlines() or [''])[0][:300]}"
+                print(f"\n  [{label}] variant {v.name!r} failed at step {s}: {failures[v.name]}", file=sys.stderr)
+                timer._events.clear()
                 optimizer.zero_grad(set_to_none=True) if optimizer else None
                 gc.collect()
                 torch.cuda.empty_cache()

@@ -50,7 +50,7 @@ if SMOKE:
     MOE_MODEL, MOE_LAYERS, MOE_TOKENS = "tiny-gpt-oss", None, 512
 else:
     MODEL = "qwen3-14b" if GPU_GB >= 40 else "qwen3-0.6b"
-    NUM_LAYERS, TOKENS, ROW_TOKENS, STEPS = None, 8192, 8192, 6     # None = all layers (40 for Qwen3-14B)
+    NUM_LAYERS, TOKENS, ROW_TOKENS, STEPS = None, 8192, 8192, 4     # None = all layers (40 for Qwen3-14B)
     MOE_MODEL, MOE_LAYERS, MOE_TOKENS = "gpt-oss-20b", 4, 8192       # 4 of GPT-OSS-20B's 24 layers, real width
 LORA_RANK = 16
 DEVICE = "cuda" if has_cuda() else "cpu"
