@@ -1,0 +1,78 @@
+"""The switchboard: apply() turns optimizations on a live model, revert() gives back the original behaviour."""
+
+import pytest
+import torch
+
+import fastsft_lab
+from fastsft_lab.data import benchmark_batches
+from fastsft_lab.models import LoraSettings, build_model, decoder_layers
+
+
+def _loss_and_grads(model, batch):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch.model_inputs())
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out.logits.detach(), grads
+
+
+@pytest.fixture(scope="module")
+def moe_model():
+    torch.manual_seed(0)
+    return build_model("tiny-gpt-oss", device="cpu", dtype=torch.float32, lora=LoraSettings(rank=4),
+                       gradient_checkpointing=True)
+
+
+def test_apply_all_three_then_revert_restores_original(moe_model):
+    model = moe_model
+    batch = benchmark_batches(tokens_per_step=192, row_tokens=96, steps=1, vocab_size=256, mix="short")[0]
+    base = fastsft_lab.models.base_model(model)
+    original_attn = base.config._attn_implementation
+    original_experts = base.config._experts_implementation
+    original_funcs = [layer._gradient_checkpointing_func for layer in decoder_layers(model)]
+    ref_logits, ref_grads = _loss_and_grads(model, batch)
+
+    state = fastsft_lab.apply(model, packed_attention="sdpa", offload_buffers=2, moe_routing="sync_free")
+    assert state["packed"]["backend"] == "sdpa" and state["packed"]["cache"] is True
+    assert state["offload"] is True and state["offload_buffers"] == 2
+    assert state["moe_routing"] == "sync_free"
+    logits, grads = _loss_and_grads(model, batch)
+    # stock transformers' GPT-OSS attends across packed sequences (no mask from position_ids), ours does not:
+    # compare on the first sequence of each row, which has nothing before it
+    first = batch.seq_lengths[0][0]
+    torch.testing.assert_close(logits[0, :first], ref_logits[0, :first], rtol=1e-4, atol=1e-4)
+
+    fastsft_lab.apply(model, packed_metadata_cache=False)
+    assert fastsft_lab.toggles.state(model)["packed"]["cache"] is False
+
+    state = fastsft_lab.revert(model)
+    assert state == {"packed": None, "offload": False, "offload_buffers": 0, "moe_routing": None}
+    assert base.config._attn_implementation == original_attn
+    assert base.config._experts_implementation == original_experts
+    assert [layer._gradient_checkpointing_func for layer in decoder_layers(model)] == original_funcs
+    logits2, grads2 = _loss_and_grads(model, batch)
+    assert torch.equal(logits2, ref_logits)
+    assert set(grads2) == set(ref_grads)
+    for name in ref_grads:
+        assert torch.equal(grads2[name], ref_grads[name]), name
+
+
+def test_apply_rejects_bad_combinations(moe_model):
+    with pytest.raises(ValueError, match="offload_buffers"):
+        fastsft_lab.apply(moe_model, offload_buffers=3)
+    with pytest.raises(ValueError, match="prefetch"):
+        fastsft_lab.apply(moe_model, prefetch=True)
+    with pytest.raises(ValueError, match="packed_attention"):
+        fastsft_lab.apply(moe_model, packed_metadata_cache=True)
+    with pytest.raises(ValueError, match="moe_routing"):
+        fastsft_lab.apply(moe_model, moe_routing="fastest")
+    assert fastsft_lab.revert(moe_model)["packed"] is None
+
+
+def test_public_api_is_lazy_and_complete():
+    assert callable(fastsft_lab.apply) and callable(fastsft_lab.revert)
+    for name in ("packed", "offload", "moe", "models", "data", "profiling", "bench"):
+        assert getattr(fastsft_lab, name).__name__ == f"fastsft_lab.{name}"
+    with pytest.raises(AttributeError):
+        fastsft_lab.not_a_module  # noqa: B018
