@@ -1,0 +1,95 @@
+"""The harness: documented JSON fields, interleaving, failure isolation, chart, and the CLI."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from fastsft_lab.bench import Variant, format_table, make_result, plot_result, run_variants, write_json
+from fastsft_lab.cli import main, parse_sets
+from fastsft_lab.data import benchmark_batches
+from fastsft_lab.models import LoraSettings, build_model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = build_model("tiny-qwen3", device="cpu", dtype=torch.float32, lora=LoraSettings(rank=4),
+                        gradient_checkpointing=True)
+    batches = benchmark_batches(tokens_per_step=256, row_tokens=128, steps=2, vocab_size=256, mix="short")
+    return model, batches
+
+
+def test_result_json_has_the_documented_fields(tiny, tmp_path):
+    model, batches = tiny
+    order = []
+
+    def tracer(name):
+        return Variant(name, toggles={"which": name}, enable=lambda m: order.append(name), note=f"{name} note")
+
+    rows = run_variants(model, batches, [tracer("a"), tracer("b")], steps=3, warmup=1, progress=False)
+    # interleaved: a b a b ... (then one untimed sync-counting step each)
+    assert order[:8] == ["a", "b"] * 4
+    result = make_result("demo", {"model": "tiny-qwen3", "quant": None, "lora_rank": 4, "tokens_per_step": 256,
+                                  "seq_len_stats": batches[0].length_stats(), "dtype": "float32",
+                                  "gradient_checkpointing": True}, rows, "cpu")
+    path = write_json(result, str(tmp_path / "r.json"))
+    doc = json.loads(open(path).read())
+    for key in ("device", "gpu_name", "torch", "transformers", "peft", "bitsandbytes", "date"):
+        assert key in doc["env"]
+    for key in ("model", "quant", "lora_rank", "tokens_per_step", "seq_len_stats", "dtype", "gradient_checkpointing"):
+        assert key in doc["config"]
+    assert [v["name"] for v in doc["variants"]] == ["a", "b"]
+    for v in doc["variants"]:
+        assert v["toggles"] == {"which": v["name"]} and v["note"]
+        for phase in ("forward_ms", "backward_ms", "step_ms"):
+            assert set(v[phase]) >= {"median", "p20", "p80"} and v[phase]["n"] == 3
+            assert v[phase]["p20"] <= v[phase]["median"] <= v[phase]["p80"]
+        assert "host_syncs_per_step" in v and "peak_mem_bytes" in v
+        assert v["host_syncs_per_step"] == 1  # stock sdpa: one packed-detection read per forward
+    png = plot_result(doc, str(tmp_path / "r.png"))
+    assert os.path.getsize(png) > 1000
+    assert "1.00" in format_table(doc)
+
+
+def test_a_failing_variant_is_reported_not_fatal(tiny):
+    model, batches = tiny
+
+    def broken(batch, state=None):
+        raise RuntimeError("kernel not available here")
+
+    rows = run_variants(model, batches, [Variant("ok"), Variant("broken", inputs=broken)], steps=2, warmup=0,
+                        progress=False)
+    assert "step_ms" in rows[0]
+    assert rows[1]["error"].startswith("RuntimeError: kernel not available here")
+
+
+def test_bad_arguments_raise(tiny):
+    model, batches = tiny
+    with pytest.raises(ValueError, match="no variants"):
+        run_variants(model, batches, [], progress=False)
+    with pytest.raises(ValueError, match="steps"):
+        run_variants(model, batches, [Variant("a")], steps=0, progress=False)
+
+
+def test_cli_set_parsing():
+    sets = parse_sets(["packed.tokens=4096,16384", "moe.num_layers=8", "offload.sweep=true", "moe.quant=none"])
+    assert sets["packed"] == {"tokens": [4096, 16384]}
+    assert sets["moe"] == {"num_layers": 8, "quant": None}
+    assert sets["offload"] == {"sweep": True}
+    with pytest.raises(SystemExit):
+        parse_sets(["tokens=4"])
+    with pytest.raises(SystemExit):
+        parse_sets(["nosuch.tokens=4"])
+
+
+def test_cli_bench_runs_a_scenario_end_to_end(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["bench", "--only", "moe", "--smoke", "--device", "cpu", "--out", str(out), "--quiet",
+                 "--steps", "1", "--warmup", "0", "--set", "moe.micro=false", "--set", "moe.modes=forward"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["smoke"] is True and summary["scenarios"][0]["scenario"] == "moe"
+    assert any(p.suffix == ".png" for p in out.iterdir())
+    assert "summary" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["bench", "--only", "nosuch"])
