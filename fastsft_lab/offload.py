@@ -24,22 +24,27 @@ kwarg (rotary cos/sin, masks, optimization 1's ``packed_metadata``) for the reco
 
 Design (one :class:`OffloadManager` per model; the pinned pool survives toggles and steps):
 
-* forward: the layer runs under ``no_grad`` (nothing saved); its input is copied into a slot of a pinned CPU
-  :class:`PinnedPool` on a dedicated copy stream (``non_blocking``; the compute stream is not blocked, and
-  ``record_stream`` stops the caching allocator from reusing the input's memory before the copy has read it).
-* backward: the input is copied host->device into a staging buffer on the copy stream, the compute stream waits
-  on that slot's "ready" event, the layer is recomputed with grad (RNG and autocast state restored as
-  ``torch.utils.checkpoint`` does) and back-propagated; then the slot's "free" event is recorded.
+* forward: the layer runs with grad mode on but keeps nothing (a ``saved_tensors_hooks`` pair drops what
+  autograd would save, as torch's non-reentrant checkpoint does), so it runs the very kernels standard
+  checkpointing runs; its input is copied into a slot of a pinned CPU :class:`PinnedPool` on a dedicated copy
+  stream (``non_blocking``; the compute stream is not blocked, and ``record_stream`` stops the caching allocator
+  from reusing the input's memory before the copy has read it).
+* backward: the input is copied host->device into a staging buffer (allocated on the copy stream, which writes it
+  first) on the copy stream, the compute stream waits on that slot's "ready" event, the layer is recomputed with
+  grad (RNG and autocast state restored as ``torch.utils.checkpoint`` does) and back-propagated; then the slot's
+  "free" event is recorded. :class:`OffloadManager` lists every cross-stream hazard and what orders it.
 * On a CPU there are no streams: the very same code runs synchronously (the pool is ordinary memory), so CPU tests
-  exercise the bookkeeping (slots, registry, prefetch, fallback).
+  exercise the bookkeeping (slots, registry, prefetch, fallback), and the stream operations it issues are logged
+  and checked for ordering by :func:`fastsft_lab.timeline.check_stream_order`.
 
-Semantics are those of *reentrant* checkpointing (``torch.utils.checkpoint(use_reentrant=True)``): the layer's
-parameter gradients are accumulated into ``.grad`` by a nested ``torch.autograd.backward`` in the backward of the
-layer. Unlike torch's reentrant checkpoint, gradients reach LoRA parameters even when the layer input does not
+The backward has the semantics of *reentrant* checkpointing (``torch.utils.checkpoint(use_reentrant=True)``): the
+layer's parameter gradients are accumulated into ``.grad`` by a nested ``torch.autograd.backward`` in the backward
+of the layer. Unlike torch's reentrant checkpoint, gradients reach LoRA parameters even when the layer input does not
 require grad (a zero-size dummy input keeps the output in the graph). Not supported (clear errors): backward twice
 through the same graph (``retain_graph=True``) and ``torch.autograd.grad`` w.r.t. parameters inside a layer.
-Side outputs captured by hooks during a layer's forward (e.g. router logits for an auxiliary loss) carry no
-gradient, as with reentrant checkpointing.
+Side outputs captured by hooks during a layer's forward (e.g. router logits for an auxiliary loss) cannot get a
+gradient: back-propagating through one raises a clear error (with ``forward_grad=False`` they silently carry none,
+as with reentrant checkpointing).
 
 Use with TRL/Trainer: leave ``gradient_checkpointing=False`` in the trainer arguments (the trainer would call
 ``model.gradient_checkpointing_enable()`` and overwrite the layer functions) and call
@@ -93,6 +98,7 @@ class PinnedPool:
         self._slots: list[torch.Tensor] = []      # flat uint8 buffers
         self._events: list[Any] = []              # CUDA: "the D2H into this slot is done" (None on a CPU)
         self._free: list[int] = []                # heap of free slot indices
+        self._gens: list[int] = []                # per slot: how many times its memory was (re)allocated
         self._lock = threading.Lock()
         self.allocations = 0                      # host allocations made so far (tests assert it stays flat)
 
@@ -122,9 +128,11 @@ class PinnedPool:
                     # The old block may still be read by an in-flight copy: the caching host allocator keeps it
                     # until the copy's recorded event completes, so dropping our reference here is safe.
                     self._slots[idx] = self._allocate(nbytes)
+                    self._gens[idx] += 1
                 return idx
             self._slots.append(self._allocate(nbytes))
             self._events.append(torch.cuda.Event() if self.pin else None)
+            self._gens.append(0)
             return len(self._slots) - 1
 
     def release(self, idx: int) -> None:
@@ -139,6 +147,10 @@ class PinnedPool:
     def event(self, idx: int):
         return self._events[idx]
 
+    def generation(self, idx: int) -> int:
+        """Bumped whenever slot ``idx`` gets new memory (names the buffer in the stream-order log)."""
+        return self._gens[idx]
+
     def clear(self) -> None:
         """Drop every slot (only when nothing is pending)."""
         with self._lock:
@@ -148,6 +160,7 @@ class PinnedPool:
             self._slots.clear()
             self._events.clear()
             self._free.clear()
+            self._gens.clear()
 
 
 # --- Timeline recording (optional, for the notebook's pictures) -------------------------------------------------
@@ -195,16 +208,19 @@ class _Trace:
 class _Entry:
     """One offloaded layer input waiting for its backward."""
 
-    __slots__ = ("seq", "layer", "slot", "nbytes", "dtype", "shape", "consumed", "_finalizer", "__weakref__")
+    __slots__ = ("seq", "layer", "slot", "pool_gen", "nbytes", "dtype", "shape", "consumed", "reference",
+                 "_finalizer", "__weakref__")
 
     def __init__(self, seq: int, layer: int, slot: int, nbytes: int, dtype: torch.dtype, shape, pool: PinnedPool):
         self.seq = seq
         self.layer = layer
         self.slot = slot
+        self.pool_gen = pool.generation(slot)
         self.nbytes = nbytes
         self.dtype = dtype
         self.shape = tuple(shape)
         self.consumed = False
+        self.reference: torch.Tensor | None = None   # verify mode only: a device copy of the input, for comparison
         # If the graph is dropped without a backward (an exception, an eval with grad on), the entry dies with
         # the autograd context that holds it, and its pool slot goes back to the pool.
         self._finalizer = weakref.finalize(self, pool.release, slot)
@@ -228,6 +244,32 @@ class OffloadStats:
 class OffloadManager:
     """Offloaded checkpointing state of one model: pinned pool, copy stream, staging buffers, pending registry.
 
+    Stream ordering (CUDA; "compute" is the stream autograd runs the layer on, "copy" the manager's own stream).
+    Every cross-stream hazard and the operation that orders it:
+
+    * forward, layer input ``x`` (written by compute) -> pool slot (D2H on copy): ``copy.wait_stream(compute)``
+      before the copy; ``x.record_stream(copy)`` so the allocator does not hand ``x``'s memory to compute
+      kernels before the copy has read it; the slot's pool event is recorded after the copy.
+    * pool slot -> staging slot (H2D on copy, backward): waits for the slot's "free" event (the last backward
+      that read the staging slot) and for the pool event (the D2H). The pool slot is written again only by a
+      later D2H on the same copy stream (or, with ``serial_forward_copies``, on compute after
+      ``compute.wait_stream(copy)``).
+    * staging slot -> recompute (compute): ``compute.wait_event(ready)`` before the recompute; after the layer's
+      nested backward has been issued (autograd's saved views of the input are read until then) the slot's
+      "free" event is recorded on compute.
+    * staging buffer memory: allocated ON THE COPY STREAM, the stream that writes it first, so the caching
+      allocator's per-stream ordering covers the memory's previous users; ``record_stream(compute)`` so that when
+      it is freed (growth, toggle off) its reuse waits for the compute stream's reads. (Allocated on the compute
+      stream instead, the first H2D could overwrite memory whose previous compute-stream users -- the loss and
+      LM-head backward, still queued when the CPU reaches the first layer -- had not run yet: the bug the first
+      H200 run showed as wrong gradients at real size only.)
+
+    Every one of these operations goes through ``_wait_stream`` / ``_record`` / ``_wait_event`` / ``_copy`` /
+    ``_access`` / ``_free_buffer``, which also append to :attr:`stream_log` when it is a list. The CPU runs the
+    very same sequence (its copies are synchronous), so :func:`fastsft_lab.timeline.check_stream_order` can check
+    on a CPU, in a model of CUDA stream semantics, that every conflicting pair of accesses is ordered, for any
+    forward/backward pattern the tests drive.
+
     Args:
         device: the compute device (CUDA: streams and events; CPU: the same logic, synchronous).
         buffers: GPU staging buffers for reloads: ``1`` (copy and compute take turns) or ``2`` (double buffer).
@@ -236,11 +278,21 @@ class OffloadManager:
             dropout, costs a few microseconds per layer).
         serial_forward_copies: copy forward inputs on the compute stream instead of the copy stream (models a
             design that also serialises the forward copies; used by the regime sweep only).
+        forward_grad: run the offloaded forward with grad mode ON (saved tensors discarded by a
+            ``saved_tensors_hooks`` pair, as torch's non-reentrant checkpoint does), so it dispatches exactly the
+            kernels standard checkpointing and plain training run (SDPA's backend choice and kernel variant, e.g.
+            whether it computes the log-sum-exp, can depend on whether inputs require grad). ``False``: under
+            ``no_grad`` (torch's reentrant checkpoint; fewer autograd nodes, possibly different kernels).
+        verify: debug only. Keep a device copy of every offloaded input and compare it bitwise with the staged
+            input when the recompute reads it and again when the layer's backward is done (no host sync until
+            :meth:`verify_report`). Costs the GPU memory the offload saves.
     """
 
+    _STAGING_ALLOC_STREAM = "copy"   # tests set "compute" to model the pre-fix allocation (and see the race)
+
     def __init__(self, device: torch.device | str, buffers: int = 2, prefetch: bool | None = None, *,
-                 preserve_rng_state: bool = True, serial_forward_copies: bool = False,
-                 pool: PinnedPool | None = None):
+                 preserve_rng_state: bool = True, serial_forward_copies: bool = False, forward_grad: bool = True,
+                 verify: bool = False, pool: PinnedPool | None = None):
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -250,7 +302,12 @@ class OffloadManager:
         self.stats = OffloadStats()
         self.preserve_rng_state = preserve_rng_state
         self.serial_forward_copies = serial_forward_copies
+        self.forward_grad = forward_grad
+        self.verify = verify
+        self.stream_log: list | None = None              # set to [] to record the stream-order log
+        self._verify_log: list = []
         self._staging: list[torch.Tensor | None] = [None, None]
+        self._staging_gen = [0, 0]                        # bumped per allocation: names the buffer in the log
         self._owner: list[int | None] = [None, None]     # seq of the entry whose input sits in each slot
         self._ready = [torch.cuda.Event(), torch.cuda.Event()] if self.cuda else [None, None]
         self._free = [torch.cuda.Event(), torch.cuda.Event()] if self.cuda else [None, None]
@@ -272,6 +329,7 @@ class OffloadManager:
         self.buffers = buffers
         self.prefetch = bool(prefetch)
         self.active_buffers = buffers   # drops to 1 if the second buffer cannot be allocated
+        self._single_slot = 0           # the slot used with one active buffer (the surviving one after a fallback)
         self._owner = [None, None]
 
     # -- introspection
@@ -293,6 +351,9 @@ class OffloadManager:
 
     def release_staging(self) -> None:
         """Free the GPU staging buffers (they are re-created, from the allocator's cache, on the next reload)."""
+        for slot in (0, 1):
+            if self._staging[slot] is not None:
+                self._free_buffer(self._STAGING_ALLOC_STREAM, self._staging_key(slot))
         self._staging = [None, None]
         self._owner = [None, None]
 
@@ -305,6 +366,93 @@ class OffloadManager:
             yield trace
         finally:
             self._trace = None
+
+    def verify_report(self) -> dict:
+        """Verify mode: bitwise comparison of every staged input with the device copy taken in forward (syncs).
+
+        Returns ``{"checked": n, "ok": bool, "mismatched": [{"layer", "seq", "phase", "mismatched_bytes"}]}``;
+        ``phase`` is ``"reload"`` (when the recompute reads it) or ``"after_backward"`` (when the slot is freed).
+        """
+        rows = [{"layer": layer, "seq": seq, "phase": phase, "mismatched_bytes": int(n)}
+                for layer, seq, phase, n in self._verify_log]
+        self._verify_log = []
+        bad = [r for r in rows if r["mismatched_bytes"]]
+        return {"checked": len(rows), "ok": not bad, "mismatched": bad}
+
+    # -- stream operations: each one issued for real on CUDA, and logged (CPU and CUDA) when stream_log is a list
+    def _log(self, *op) -> None:
+        if self.stream_log is not None:
+            self.stream_log.append(op)
+
+    def _stream(self, name: str):
+        if name == "copy":
+            return self.copy_stream
+        stream = torch.cuda.current_stream(self.device)
+        if stream == self.copy_stream:   # a "compute" lookup inside a copy-stream context would be a silent bug
+            raise RuntimeError("internal: compute stream looked up while the copy stream is current")
+        return stream
+
+    def _on_stream(self, name: str):
+        return torch.cuda.stream(self._stream(name)) if self.cuda else contextlib.nullcontext()
+
+    def _wait_stream(self, waiter: str, waitee: str) -> None:
+        self._log("wait_stream", waiter, waitee)
+        if self.cuda:
+            self._stream(waiter).wait_stream(self._stream(waitee))
+
+    def _event(self, key: tuple):
+        kind, idx = key
+        return {"ready": self._ready, "free": self._free}[kind][idx] if kind != "pool" else self.pool.event(idx)
+
+    def _record(self, key: tuple, stream: str) -> None:
+        self._log("record", key, stream)
+        if self.cuda:
+            self._event(key).record(self._stream(stream))
+
+    def _wait_event(self, stream: str, key: tuple) -> None:
+        self._log("wait_event", stream, key)
+        if self.cuda:
+            self._stream(stream).wait_event(self._event(key))
+
+    def _access(self, stream: str, buf: tuple, mode: str) -> None:
+        """Log only: kernels issued on ``stream`` up to here read (``r``) or write (``w``) ``buf``."""
+        self._log("access", stream, buf, mode)
+
+    def _record_stream(self, tensor: torch.Tensor, buf: tuple, stream: str) -> None:
+        self._log("record_stream", buf, stream)
+        if self.cuda:
+            tensor.record_stream(self._stream(stream))
+
+    def _free_buffer(self, stream: str, buf: tuple) -> None:
+        """Log only: ``buf``'s memory goes back to the caching allocator, for reuse by ``stream``."""
+        self._log("free", stream, buf)
+
+    def _copy(self, stream: str, dst: torch.Tensor, src: torch.Tensor, reads: tuple, writes: tuple,
+              kind: str, entry: _Entry) -> None:
+        self._access(stream, reads, "r")
+        self._access(stream, writes, "w")
+        trace = self._trace
+        if self.cuda:
+            s = self._stream(stream)
+            t0 = trace.mark(s) if trace else None
+            with torch.cuda.stream(s):
+                dst.copy_(src, non_blocking=True)
+            if trace:
+                trace.add(kind, stream, entry.layer, entry.seq, t0, trace.mark(s))
+        else:
+            t0 = trace.mark() if trace else None
+            dst.copy_(src)
+            if trace:
+                trace.add(kind, stream, entry.layer, entry.seq, t0, trace.mark())
+
+    def _staging_key(self, slot: int) -> tuple:
+        return ("staging", slot, self._staging_gen[slot])
+
+    def _verify(self, entry: _Entry, x: torch.Tensor, phase: str) -> None:
+        if entry.reference is None:
+            return
+        a, b = x.reshape(-1).view(torch.uint8), entry.reference.reshape(-1).view(torch.uint8)
+        self._verify_log.append((entry.layer, entry.seq, phase, (a != b).sum()))   # stays on the device
 
     # -- forward: offload
     def save(self, x: torch.Tensor, layer: int) -> _Entry:
@@ -320,33 +468,24 @@ class OffloadManager:
             self._seq += 1
         entry = _Entry(seq, layer, slot, nbytes, src.dtype, src.shape, self.pool)
         dst = self.pool.view(slot, nbytes, src.dtype, src.shape)
-        trace = self._trace
-        if self.cuda:
-            compute = torch.cuda.current_stream(self.device)
-            if self.serial_forward_copies:
-                compute.wait_stream(self.copy_stream)       # a pending reload may still read this slot
-                t0 = trace.mark(compute) if trace else None
-                dst.copy_(src, non_blocking=True)
-                self.pool.event(slot).record(compute)
-                if trace:
-                    trace.add("d2h", "compute", layer, seq, t0, trace.mark(compute))
-            else:
-                # The copy stream must see the input as produced by the compute stream ...
-                self.copy_stream.wait_stream(compute)
-                with torch.cuda.stream(self.copy_stream):
-                    t0 = trace.mark(self.copy_stream) if trace else None
-                    dst.copy_(src, non_blocking=True)
-                    self.pool.event(slot).record(self.copy_stream)
-                    if trace:
-                        trace.add("d2h", "copy", layer, seq, t0, trace.mark(self.copy_stream))
-                # ... and the caching allocator must not hand the input's memory to the compute stream before the
-                # copy has read it (the layer's output is allocated right after).
-                src.record_stream(self.copy_stream)
+        inp, pbuf = ("input", seq), ("pool", slot, entry.pool_gen)
+        self._access("compute", inp, "w")          # the kernels that produced x were issued on the compute stream
+        if self.verify:
+            entry.reference = src.clone()          # on the compute stream, after the producer
+        if self.serial_forward_copies:
+            self._wait_stream("compute", "copy")   # a pending reload may still read this pool slot
+            self._copy("compute", dst, src, inp, pbuf, "d2h", entry)
+            self._record(("pool", slot), "compute")
         else:
-            t0 = trace.mark() if trace else None
-            dst.copy_(src)
-            if trace:
-                trace.add("d2h", "copy", layer, seq, t0, trace.mark())
+            # The copy stream must see the input as produced by the compute stream ...
+            self._wait_stream("copy", "compute")
+            self._copy("copy", dst, src, inp, pbuf, "d2h", entry)
+            self._record(("pool", slot), "copy")
+            # ... and the caching allocator must not hand the input's memory to the compute stream before the
+            # copy has read it (the layer's output is allocated right after). ``src`` is the tensor whose storage
+            # the copy reads (x itself, or its contiguous copy).
+            self._record_stream(src, inp, "copy")
+        self._free_buffer("compute", inp)          # from here on the caller may drop x
         self.stats.saves += 1
         with self._lock:
             self._pending[seq] = weakref.ref(entry, functools.partial(self._forget, seq))
@@ -357,7 +496,7 @@ class OffloadManager:
 
     # -- backward: reload
     def _slot_of(self, entry: _Entry) -> int:
-        return entry.seq % self.active_buffers
+        return entry.seq % 2 if self.active_buffers == 2 else self._single_slot
 
     def _next_pending(self, seq: int) -> _Entry | None:
         """The entry whose backward comes next: the latest registered input before ``seq`` not yet consumed."""
@@ -376,21 +515,35 @@ class OffloadManager:
     def _staging_buffer(self, slot: int, nbytes: int) -> torch.Tensor:
         buf = self._staging[slot]
         if buf is None or buf.numel() < nbytes:
+            alloc = self._STAGING_ALLOC_STREAM
+            other = "compute" if alloc == "copy" else "copy"
+            if buf is not None:
+                self._free_buffer(alloc, self._staging_key(slot))
             self._staging[slot] = None          # let the old block go before allocating the larger one
             self._owner[slot] = None
+            del buf
             # 2 MiB granularity on a GPU: a few more bytes now save a re-allocation when lengths creep up.
-            buf = self._allocate_staging(_round_up(nbytes, (2 << 20) if self.cuda else 64))
-            if self.cuda:
-                # Written on the copy stream, allocated on the compute stream: when it is freed (growth, toggle
-                # off) the allocator waits for the copy stream's pending work before reusing it.
-                buf.record_stream(self.copy_stream)
+            with self._on_stream(alloc):
+                buf = self._allocate_staging(_round_up(nbytes, (2 << 20) if self.cuda else 64))
+            self._staging_gen[slot] += 1
+            key = self._staging_key(slot)
+            # The allocator hands out memory whose previous users, on the allocating stream, may still be queued:
+            # safe for that stream only. Allocated on the copy stream, the first write (the H2D) is ordered after
+            # them by stream order.
+            self._access(alloc, key, "w")
+            # Read (or written) by the other stream too: its pending uses must finish before the memory is reused.
+            self._record_stream(buf, key, other)
             self._staging[slot] = buf
         return buf
 
-    def _fall_back_to_one_buffer(self, err: BaseException) -> None:
+    def _fall_back_to_one_buffer(self, err: BaseException, keep: int) -> None:
+        failed = 1 - keep
         self.active_buffers = 1
-        self._staging[1] = None
-        self._owner = [self._owner[0], None]
+        self._single_slot = keep
+        if self._staging[failed] is not None:
+            self._free_buffer(self._STAGING_ALLOC_STREAM, self._staging_key(failed))
+        self._staging[failed] = None
+        self._owner[failed] = None
         self.stats.fallbacks += 1
         warnings.warn(
             "offloaded checkpointing: not enough GPU memory for the second staging buffer "
@@ -404,38 +557,33 @@ class OffloadManager:
         buf = self._staging_buffer(slot, entry.nbytes)
         dst = buf[:entry.nbytes].view(entry.dtype).view(entry.shape)
         src = self.pool.view(entry.slot, entry.nbytes, entry.dtype, entry.shape)
-        trace = self._trace
-        if self.cuda:
-            with torch.cuda.stream(self.copy_stream):
-                self.copy_stream.wait_event(self._free[slot])        # previous user of the slot is done
-                self.copy_stream.wait_event(self.pool.event(entry.slot))  # the D2H into the pool is done
-                t0 = trace.mark(self.copy_stream) if trace else None
-                dst.copy_(src, non_blocking=True)
-                self._ready[slot].record(self.copy_stream)
-                if trace:
-                    trace.add("h2d", "copy", entry.layer, entry.seq, t0, trace.mark(self.copy_stream))
-        else:
-            t0 = trace.mark() if trace else None
-            dst.copy_(src)
-            if trace:
-                trace.add("h2d", "copy", entry.layer, entry.seq, t0, trace.mark())
+        self._wait_event("copy", ("free", slot))          # the previous user of the slot is done with it
+        self._wait_event("copy", ("pool", entry.slot))    # the D2H into the pool slot is done
+        self._copy("copy", dst, src, ("pool", entry.slot, entry.pool_gen), self._staging_key(slot), "h2d", entry)
+        self._record(("ready", slot), "copy")
         self._owner[slot] = entry.seq
         self.stats.reloads += 1
 
     def _load_with_fallback(self, entry: _Entry, slot: int, *, prefetch: bool) -> bool:
-        """Load, surviving an out-of-memory on the second buffer. Returns whether ``entry`` was loaded."""
+        """Load, surviving an out-of-memory on the second buffer. Returns whether ``entry`` was loaded.
+
+        "The second buffer" is whichever slot is allocated second: with an even number of layers the first
+        backward uses slot 1, so slot 0 is the one that may not fit.
+        """
         try:
             self._load(entry, slot)
             return True
         except torch.cuda.OutOfMemoryError as err:
-            if slot == 1:
-                self._fall_back_to_one_buffer(err)
-            elif not prefetch:
-                raise   # even one staging buffer does not fit: a genuine out-of-memory
+            other = 1 - slot
+            if self.active_buffers == 2 and self._staging[other] is not None:
+                self._fall_back_to_one_buffer(err, keep=other)
+                if prefetch:
+                    return False   # no prefetch this time: the layer's own backward reloads it (into `other`)
+                self._load(entry, other)
+                return True
             if prefetch:
-                return False   # no prefetch this time: the layer's own backward reloads it (into slot 0)
-            self._load(entry, 0)
-            return True
+                return False
+            raise   # not even one staging buffer fits: a genuine out-of-memory
 
     def begin_backward(self, entry: _Entry) -> tuple[torch.Tensor, int]:
         """Make ``entry``'s input available on the compute stream (reloading it if needed); prefetch the next."""
@@ -448,7 +596,7 @@ class OffloadManager:
             self.stats.prefetch_hits += 1
         else:
             self._load_with_fallback(entry, slot, prefetch=False)
-            slot = self._slot_of(entry)   # may have fallen back to slot 0
+            slot = self._slot_of(entry)   # may have fallen back to the other slot
         if self.prefetch and self.active_buffers == 2:
             nxt = self._next_pending(entry.seq)
             if nxt is not None:
@@ -456,20 +604,27 @@ class OffloadManager:
                 if nslot != slot and self._owner[nslot] != nxt.seq:
                     if self._load_with_fallback(nxt, nslot, prefetch=True):
                         self.stats.prefetches += 1
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(self._ready[slot])
+        self._wait_event("compute", ("ready", slot))
         buf = self._staging[slot]
         x = buf[:entry.nbytes].view(entry.dtype).view(entry.shape)
+        self._access("compute", self._staging_key(slot), "r")     # the recompute
+        if self.verify:
+            self._verify(entry, x, "reload")
         entry.consumed = True
         with self._lock:
             self._pending.pop(entry.seq, None)
         entry.release()   # the pool slot may be refilled: later copies into it are ordered after this reload
         return x, slot
 
-    def end_backward(self, slot: int) -> None:
+    def end_backward(self, slot: int, entry: _Entry | None = None) -> None:
         """The layer's backward has been issued: the staging slot may be overwritten once it completes."""
-        if self.cuda:
-            self._free[slot].record(torch.cuda.current_stream(self.device))
+        # autograd's saved views of the input are read by the nested backward, all of it issued by now
+        self._access("compute", self._staging_key(slot), "r")
+        if entry is not None and entry.reference is not None:
+            buf = self._staging[slot]
+            self._verify(entry, buf[:entry.nbytes].view(entry.dtype).view(entry.shape), "after_backward")
+            entry.reference = None
+        self._record(("free", slot), "compute")
         self._owner[slot] = None
 
 
@@ -502,20 +657,91 @@ class _Call:
     autocast: tuple = field(default_factory=tuple)
 
 
+def _discard_saved(t: torch.Tensor) -> None:
+    return None
+
+
+def _never_unpacked(_handle) -> torch.Tensor:
+    raise RuntimeError(
+        "offloaded checkpointing: something computed inside an offloaded layer's forward is being back-propagated "
+        "outside of it -- typically router logits captured for an auxiliary loss (output_router_logits=True). The "
+        "offloaded forward keeps no activations, so such side outputs cannot get a gradient: turn the auxiliary "
+        "loss off or detach it, use standard checkpointing, or enable with forward_grad=False (the forward then "
+        "runs under no_grad and side outputs silently carry no gradient, as with reentrant checkpointing).")
+
+
+def _saved_hooks_allowed() -> bool:
+    probe = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+    return probe() if probe is not None else True
+
+
+def _recompute_and_backward(call: _Call, leaves: list, grad_outputs: tuple) -> list[torch.Tensor]:
+    """Recompute the layer with grad from ``leaves`` (the staged input in place) and back-propagate through it."""
+    manager = call.manager
+    # Detached leaves that require grad: their .grad is what we return. The same tensor object in two places
+    # maps to one detached tensor, so its gradient is summed as in the original graph.
+    detached: dict[int, torch.Tensor] = {}
+    for i in call.grad_leaves:
+        t = leaves[i]
+        d = detached.get(id(t))
+        if d is None:
+            d = t.detach().requires_grad_(True)
+            detached[id(t)] = d
+        leaves[i] = d
+    grad_leaf_tensors = [leaves[i] for i in call.grad_leaves]
+    args, kwargs = pytree.tree_unflatten(leaves, call.spec)
+    dev_type = manager.device.type
+    rng_devices = [manager.device] if (manager.cuda and call.dev_rng is not None) else []
+    dev_autocast, cpu_autocast = call.autocast
+    with torch.random.fork_rng(devices=rng_devices, enabled=manager.preserve_rng_state,
+                               device_type=dev_type if dev_type != "cpu" else "cuda"):
+        if manager.preserve_rng_state:
+            torch.set_rng_state(call.cpu_rng)
+            if rng_devices:
+                torch.cuda.set_rng_state(call.dev_rng, manager.device)
+        dev_ctx = torch.autocast(dev_type, **dev_autocast) if dev_autocast else contextlib.nullcontext()
+        with torch.enable_grad(), dev_ctx, torch.autocast("cpu", **cpu_autocast):
+            out = call.fn(*call.fn_args, *args, **kwargs)
+    outs = out if isinstance(out, tuple) else (out,)
+    pairs = [(o, g) for o, g in zip(outs, grad_outputs)
+             if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    return grad_leaf_tensors
+
+
 class _OffloadedLayer(torch.autograd.Function):
-    """Forward: run the layer without grad, offload its input. Backward: reload, recompute, back-propagate."""
+    """Forward: run the layer keeping nothing, offload its input. Backward: reload, recompute, back-propagate."""
 
     @staticmethod
     def forward(ctx, call: _Call, dummy: torch.Tensor, *grad_tensors: torch.Tensor):
         ctx.set_materialize_grads(False)
         manager = call.manager
-        args, kwargs = pytree.tree_unflatten(call.leaves, call.spec)
+        leaves = list(call.leaves)
         if call.offload_leaf is not None:
             call.entry = manager.save(call.leaves[call.offload_leaf], call.trace_layer)
             call.leaves[call.offload_leaf] = None   # keep no reference: the GPU copy is freed after this layer
+        grad_mode = manager.forward_grad and _saved_hooks_allowed()
+        if grad_mode:
+            # Same requires_grad flags as in the original graph (detached: this graph is thrown away).
+            detached: dict[int, torch.Tensor] = {}
+            for i in call.grad_leaves:
+                t = leaves[i]
+                leaves[i] = detached.setdefault(id(t), t.detach().requires_grad_(True))
+        args, kwargs = pytree.tree_unflatten(leaves, call.spec)
+        del leaves
         trace = manager._trace
         t0 = trace.mark() if trace else None
-        out = call.fn(*call.fn_args, *args, **kwargs)   # grad mode is off inside Function.forward
+        if grad_mode:
+            # Grad mode ON, as in standard (non-reentrant) checkpointing and in plain training: kernels whose choice
+            # can depend on it (SDPA's backend and variant: with or without the log-sum-exp) are the same ones, so
+            # the offloaded forward computes the same bits. Nothing is kept: every tensor autograd would save is
+            # dropped by the pack hook, and the outputs are detached from this throw-away graph.
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_discard_saved, _never_unpacked):
+                out = call.fn(*call.fn_args, *args, **kwargs)
+            out = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), out)
+        else:
+            out = call.fn(*call.fn_args, *args, **kwargs)   # grad mode is off inside Function.forward
         if trace:
             trace.add("fwd", "compute", call.trace_layer, call.entry.seq if call.entry else -1, t0, trace.mark())
         del args, kwargs
@@ -542,38 +768,14 @@ class _OffloadedLayer(torch.autograd.Function):
             leaves[call.offload_leaf] = x
         trace = manager._trace
         t0 = trace.mark() if trace else None
-        # Detached leaves that require grad: their .grad is what we return. The same tensor object in two places
-        # maps to one detached tensor, so its gradient is summed as in the original graph.
-        detached: dict[int, torch.Tensor] = {}
-        for i in call.grad_leaves:
-            t = leaves[i]
-            d = detached.get(id(t))
-            if d is None:
-                d = t.detach().requires_grad_(True)
-                detached[id(t)] = d
-            leaves[i] = d
-        grad_leaf_tensors = [leaves[i] for i in call.grad_leaves]
-        args, kwargs = pytree.tree_unflatten(leaves, call.spec)
-        dev_type = manager.device.type
-        rng_devices = [manager.device] if (manager.cuda and call.dev_rng is not None) else []
-        dev_autocast, cpu_autocast = call.autocast
-        with torch.random.fork_rng(devices=rng_devices, enabled=manager.preserve_rng_state,
-                                   device_type=dev_type if dev_type != "cpu" else "cuda"):
-            if manager.preserve_rng_state:
-                torch.set_rng_state(call.cpu_rng)
-                if rng_devices:
-                    torch.cuda.set_rng_state(call.dev_rng, manager.device)
-            dev_ctx = torch.autocast(dev_type, **dev_autocast) if dev_autocast else contextlib.nullcontext()
-            with torch.enable_grad(), dev_ctx, torch.autocast("cpu", **cpu_autocast):
-                out = call.fn(*call.fn_args, *args, **kwargs)
-        outs = out if isinstance(out, tuple) else (out,)
-        pairs = [(o, g) for o, g in zip(outs, grad_outputs)
-                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        del out, outs, pairs, args, kwargs
-        if slot is not None:
-            manager.end_backward(slot)
+        try:
+            grad_leaf_tensors = _recompute_and_backward(call, leaves, grad_outputs)
+        finally:
+            if slot is not None:
+                # After the layer's nested backward has been issued (it reads autograd's saved views of the staged
+                # input) -- and also when it failed, so that the slot's next copy waits for whatever was issued.
+                manager.end_backward(slot, call.entry)
+        del leaves
         if trace:
             trace.add("bwd", "compute", call.trace_layer, call.entry.seq if call.entry else -1, t0, trace.mark())
         seen: set[int] = set()
@@ -675,6 +877,7 @@ def _model_device(model: nn.Module) -> torch.device:
 
 def enable_offloaded_checkpointing(model: nn.Module, buffers: int = 2, prefetch: bool | None = None, *,
                                    preserve_rng_state: bool = True, serial_forward_copies: bool = False,
+                                   forward_grad: bool = True, verify: bool = False,
                                    device: torch.device | str | None = None) -> OffloadManager:
     """Checkpoint every decoder layer with its input offloaded to pinned CPU memory.
 
@@ -687,6 +890,10 @@ def enable_offloaded_checkpointing(model: nn.Module, buffers: int = 2, prefetch:
             buffers; not allowed with 1).
         preserve_rng_state: restore the RNG state for the recompute (dropout-exact, like torch checkpoint).
         serial_forward_copies: do the forward device->host copies on the compute stream (sweep only).
+        forward_grad: run the offloaded forward with grad mode on, nothing saved (default; the same kernels as
+            standard checkpointing) or, ``False``, under ``no_grad`` (see :class:`OffloadManager`).
+        verify: debug only: check bitwise that every reloaded input equals what the forward produced
+            (:meth:`OffloadManager.verify_report`); keeps a device copy of every layer input.
         device: compute device (default: the model's).
 
     Returns:
@@ -702,12 +909,15 @@ def enable_offloaded_checkpointing(model: nn.Module, buffers: int = 2, prefetch:
     manager = _MANAGERS.get(key)
     if manager is None or manager.device.type != dev.type:
         manager = OffloadManager(dev, buffers, prefetch, preserve_rng_state=preserve_rng_state,
-                                 serial_forward_copies=serial_forward_copies)
+                                 serial_forward_copies=serial_forward_copies, forward_grad=forward_grad,
+                                 verify=verify)
         _MANAGERS[key] = manager
     else:
         manager.configure(buffers, prefetch)
         manager.preserve_rng_state = preserve_rng_state
         manager.serial_forward_copies = serial_forward_copies
+        manager.forward_grad = forward_grad
+        manager.verify = verify
     if key not in _ORIGINALS:
         _ORIGINALS[key] = [(layer, _snapshot(layer)) for layer in layers]
     for i, layer in enumerate(layers):
@@ -1372,35 +1582,68 @@ def _grads_of_step(model: nn.Module, inputs: dict, seed: int) -> tuple[torch.Ten
     return loss.detach(), grads
 
 
+def compare_grads(ref: tuple[torch.Tensor, dict], got: tuple[torch.Tensor, dict], *, rtol: float,
+                  atol: float) -> dict:
+    """Per-tensor comparison of two ``(loss, {name: grad})`` results: ``|a - b| <= atol + rtol * max|a|``.
+
+    Returns ``{"ok", "bitwise_equal", "max_abs_diff", "n_tensors", "n_failing", "failing" (up to 8 names, worst
+    first), "missing" (names with a gradient on one side only), "worst": {"name", "max_abs_diff", "scale",
+    "allowed"}}``. ``worst`` is the tensor with the largest diff relative to what it is allowed, so a failure
+    report names the tensor, its max |diff| and its scale (a near-zero tensor shows as scale ~0).
+    """
+    (la, ga), (lb, gb) = ref, got
+    missing = sorted(set(ga) ^ set(gb))
+    rows = []
+    for name, a, b in [("loss", la, lb)] + [(n, ga[n], gb[n]) for n in ga if n in gb]:
+        a, b = a.detach().float(), b.detach().float()
+        diff = float((a - b).abs().max()) if a.numel() else 0.0
+        scale = float(a.abs().max()) if a.numel() else 0.0
+        rows.append((name, diff, scale, atol + rtol * scale))
+
+    def severity(r) -> float:
+        _, diff, _, allowed = r
+        if diff != diff:        # NaN
+            return float("inf")
+        if diff == 0:
+            return 0.0
+        return diff / allowed if allowed > 0 else float("inf")
+
+    failing = sorted((r for r in rows if not r[1] <= r[3]), key=severity, reverse=True)
+    worst = max(rows, key=severity)
+    return {"ok": not failing and not missing,
+            "bitwise_equal": not missing and all(r[1] == 0 for r in rows),
+            "max_abs_diff": max(r[1] for r in rows), "n_tensors": len(rows), "n_failing": len(failing),
+            "failing": [r[0] for r in failing[:8]], "missing": missing[:8],
+            "worst": {"name": worst[0], "max_abs_diff": worst[1], "scale": worst[2], "allowed": worst[3]}}
+
+
+def _mode_name(buffers: int, prefetch: bool) -> str:
+    return f"offload x{buffers}{' + prefetch' if prefetch else ''}"
+
+
 def check_equivalence(model: nn.Module, inputs: dict, *, modes: Sequence[tuple[int, bool]] = ((1, False), (2, False),
-                      (2, True)), rtol: float | None = None, atol: float | None = None, seed: int = 0) -> dict:
+                      (2, True)), rtol: float | None = None, atol: float | None = None, seed: int = 0,
+                      forward_grad: bool = True) -> dict:
     """Loss and gradients of every offload mode against standard checkpointing and against no checkpointing.
 
     Tolerances default to exact in float32 on a CPU, and otherwise to bf16 noise on the scale of each tensor
     (``|a - b| <= atol + rtol * max|a|``; GPU attention backward kernels may accumulate in a different order from
-    run to run). Returns ``{mode: {"vs_standard": bool,
-    "vs_no_checkpointing": bool, "max_abs_diff": float}}`` and ``"standard_vs_no_checkpointing"``.
+    run to run).
+
+    Returns:
+        ``{"standard_vs_no_checkpointing": bool, "tolerance": {...}, "reports": {"standard_vs_no_checkpointing":
+        report}, "offload x1": {"vs_standard": bool, "vs_no_checkpointing": bool, "max_abs_diff": float,
+        "report": {"vs_standard": report, "vs_no_checkpointing": report}}, ...}`` with one entry per mode; each
+        ``report`` is :func:`compare_grads`'s (worst tensor, its max |diff| and scale). :func:`format_equivalence`
+        prints it.
     """
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     exact = dtype == torch.float32 and _model_device(model).type == "cpu"
     rtol = rtol if rtol is not None else (0.0 if exact else 2e-2)
     atol = atol if atol is not None else (0.0 if exact else 1e-6)
-    was_on = is_offloaded(model)
-    if was_on:
+    if is_offloaded(model):
         raise RuntimeError("turn offloaded checkpointing off before check_equivalence (it toggles it itself)")
     model.train()
-
-    def close(a, b) -> tuple[bool, float]:
-        (la, ga), (lb, gb) = a, b
-        if set(ga) != set(gb):
-            return False, float("inf")
-        # |a - b| <= atol + rtol * max|a|, per tensor: a tolerance on the scale of each gradient, so that bf16
-        # noise on tiny entries of a large gradient does not count as a difference.
-        pairs = [(la.float(), lb.float())] + [(ga[n].float(), gb[n].float()) for n in ga]
-        diffs = [float((a - b).abs().max()) if a.numel() else 0.0 for a, b in pairs]
-        scales = [float(a.abs().max()) if a.numel() else 0.0 for a, _ in pairs]
-        ok = all(d <= atol + rtol * sc for d, sc in zip(diffs, scales))
-        return ok, max(diffs) if diffs else 0.0
 
     reference = _grads_of_step(model, inputs, seed)
     restore = enable_standard_checkpointing(model)
@@ -1408,16 +1651,117 @@ def check_equivalence(model: nn.Module, inputs: dict, *, modes: Sequence[tuple[i
         standard = _grads_of_step(model, inputs, seed)
     finally:
         restore()
-    out: dict[str, Any] = {"standard_vs_no_checkpointing": close(reference, standard)[0]}
+    std_rep = compare_grads(reference, standard, rtol=rtol, atol=atol)
+    out: dict[str, Any] = {"standard_vs_no_checkpointing": std_rep["ok"],
+                           "tolerance": {"rtol": rtol, "atol": atol, "exact": exact},
+                           "reports": {"standard_vs_no_checkpointing": std_rep}}
     for buffers, prefetch in modes:
-        enable_offloaded_checkpointing(model, buffers, prefetch)
+        enable_offloaded_checkpointing(model, buffers, prefetch, forward_grad=forward_grad)
         try:
             got = _grads_of_step(model, inputs, seed)
         finally:
             disable_offloaded_checkpointing(model)
-        ok_std, diff = close(standard, got)
-        out[f"offload x{buffers}{' + prefetch' if prefetch else ''}"] = {
-            "vs_standard": ok_std, "vs_no_checkpointing": close(reference, got)[0], "max_abs_diff": diff}
+        vs_std = compare_grads(standard, got, rtol=rtol, atol=atol)
+        vs_ref = compare_grads(reference, got, rtol=rtol, atol=atol)
+        out[_mode_name(buffers, prefetch)] = {
+            "vs_standard": vs_std["ok"], "vs_no_checkpointing": vs_ref["ok"], "max_abs_diff": vs_std["max_abs_diff"],
+            "report": {"vs_standard": vs_std, "vs_no_checkpointing": vs_ref}}
+    return out
+
+
+def _format_report(rep: dict) -> str:
+    if rep["bitwise_equal"]:
+        return f"bitwise equal ({rep['n_tensors']} tensors incl. the loss)"
+    w = rep["worst"]
+    text = (f"{'bitwise equal' if rep['bitwise_equal'] else 'max |diff| ' + format(rep['max_abs_diff'], '.3g')}; "
+            f"worst {w['name']}: |diff| {w['max_abs_diff']:.3g}, scale {w['scale']:.3g}, allowed {w['allowed']:.3g}")
+    if rep["n_failing"]:
+        text += f"; {rep['n_failing']}/{rep['n_tensors']} tensors outside tolerance"
+    if rep["missing"]:
+        text += f"; gradient on one side only: {', '.join(rep['missing'])}"
+    return text
+
+
+def format_equivalence(eq: dict) -> str:
+    """:func:`check_equivalence`'s result as text: verdicts, then the worst tensor of every comparison."""
+    lines = [f"standard checkpointing == no checkpointing: {eq['standard_vs_no_checkpointing']}"]
+    modes = [k for k in eq if k.startswith("offload")]
+    for k in modes:
+        lines.append(f"{k:22s} == standard: {eq[k]['vs_standard']}   == no checkpointing: "
+                     f"{eq[k]['vs_no_checkpointing']}")
+    tol = eq.get("tolerance", {})
+    lines.append(f"per tensor |a - b| <= {tol.get('atol')} + {tol.get('rtol')} * max|a|"
+                 + (" (exact)" if tol.get("exact") else ""))
+    lines.append(f"  standard vs none: {_format_report(eq['reports']['standard_vs_no_checkpointing'])}")
+    for k in modes:
+        for against in ("vs_standard", "vs_no_checkpointing"):
+            lines.append(f"  {k} {against.replace('_', ' ')}: {_format_report(eq[k]['report'][against])}")
+    return "\n".join(lines)
+
+
+def check_transport(model: nn.Module, inputs: dict, *, modes: Sequence[tuple[int, bool]] = ((1, False), (2, False),
+                    (2, True)), seed: int = 0, forward_grad: bool = True) -> dict:
+    """Where would a difference come from? Checks the offload's two halves separately, bitwise (debug; syncs).
+
+    * forward: the layer inputs the offloaded forward produces (and copies to the host) against the layer inputs
+      of a plain forward (no checkpointing, grad on): equal bits mean the offloaded forward runs the same kernels.
+    * transport: with :class:`OffloadManager`'s ``verify`` mode, every staged input is compared with a device copy
+      taken in forward, when the recompute reads it and again after the layer's backward (a stream-ordering or
+      memory-lifetime race shows up here).
+
+    Returns ``{mode: {"forward_inputs_bitwise_equal", "forward_inputs_max_abs_diff", "first_differing_layer",
+    "loss_abs_diff", "transport_ok", "checked", "mismatched"}}``.
+    """
+    if is_offloaded(model):
+        raise RuntimeError("turn offloaded checkpointing off before check_transport (it toggles it itself)")
+    model.train()
+    layers = decoder_layers(model)
+    captured: dict[int, torch.Tensor] = {}
+
+    def capture(i):
+        def hook(module, args, kwargs):
+            x = args[0] if args else kwargs.get("hidden_states")
+            if i not in captured and isinstance(x, torch.Tensor):
+                captured[i] = x.detach().clone()
+        return hook
+
+    handles = [layer.register_forward_pre_hook(capture(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        ref_loss = model(**inputs).loss.detach()
+    finally:
+        for h in handles:
+            h.remove()
+    out: dict[str, Any] = {}
+    for buffers, prefetch in modes:
+        manager = enable_offloaded_checkpointing(model, buffers, prefetch, forward_grad=forward_grad, verify=True)
+        try:
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(seed)
+            loss = model(**inputs).loss
+            entries = sorted((e for e in (r() for r in list(manager._pending.values())) if e is not None),
+                             key=lambda e: e.seq)
+            diffs = []
+            for e in entries:
+                ref = captured.get(e.layer)
+                if ref is None or e.reference is None or ref.shape != e.reference.shape:
+                    continue
+                diffs.append((e.layer, float((e.reference.float() - ref.float()).abs().max()),
+                              torch.equal(e.reference, ref)))
+            loss.backward()
+            rep = manager.verify_report()
+            model.zero_grad(set_to_none=True)
+        finally:
+            manager.verify = False
+            disable_offloaded_checkpointing(model)
+        differing = [layer for layer, _, same in diffs if not same]
+        out[_mode_name(buffers, prefetch)] = {
+            "forward_inputs_bitwise_equal": bool(diffs) and not differing,
+            "forward_inputs_max_abs_diff": max((d for _, d, _ in diffs), default=0.0),
+            "first_differing_layer": min(differing) if differing else None,
+            "loss_abs_diff": float((loss.detach().float() - ref_loss.float()).abs()),
+            "transport_ok": rep["ok"], "checked": rep["checked"], "mismatched": rep["mismatched"][:8]}
     return out
 
 
@@ -1688,5 +2032,6 @@ __all__ = [
     "disable_offloaded_checkpointing", "is_offloaded", "offload_manager", "enable_standard_checkpointing",
     "VARIANT_KEYS", "make_variants", "measure_bandwidth", "host_memory_available", "estimate_host_bytes",
     "trace_step", "plot_offload_result", "plot_sweep", "plot_across_tokens", "load_results", "results_table",
-    "default_results_dir", "vram_saved_estimate", "check_equivalence", "check_no_leak", "bench_scenario",
+    "default_results_dir", "vram_saved_estimate", "check_equivalence", "compare_grads", "format_equivalence",
+    "check_transport", "check_no_leak", "bench_scenario",
 ]

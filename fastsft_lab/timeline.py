@@ -200,4 +200,91 @@ def plot_timelines(named: dict[str, Sequence[dict]], path: str | None = None, *,
     return fig
 
 
-__all__ = ["copy_overlap", "simulate_schedule", "span_ms", "plot_timeline", "plot_timelines", "KIND_COLORS"]
+# --- Stream-order model: is every cross-stream hazard ordered? --------------------------------------------------
+def check_stream_order(ops: Sequence[tuple]) -> list[str]:
+    """Check a log of stream operations (:attr:`fastsft_lab.offload.OffloadManager.stream_log`) for races.
+
+    A happens-before model of CUDA streams with vector clocks. Operations, in the order the host issued them:
+
+    * ``("wait_stream", a, b)``: stream ``a`` waits for everything issued on ``b`` so far;
+    * ``("record", event, s)`` / ``("wait_event", s, event)``: a wait orders ``s`` after the event's most recent
+      record *at the time of the wait* (a later re-record does not matter; an event never recorded is a no-op);
+    * ``("access", s, buffer, "r" | "w")``: kernels issued on ``s`` read or write ``buffer``;
+    * ``("record_stream", buffer, s)``: the caching allocator will not reuse ``buffer``'s memory before the work
+      issued on ``s`` up to its free has completed;
+    * ``("free", s, buffer)``: ``buffer``'s memory goes back to the allocator's pool of stream ``s``; it may be
+      handed to the next allocation on ``s`` at once, so any access on another stream that is neither ordered
+      before the free nor covered by ``record_stream`` is a hazard; any later access is a use after free.
+
+    A problem is reported for every pair of accesses to one buffer on different streams, at least one a write,
+    where the earlier-issued one does not happen before the later one, and for every unsafe free.
+
+    Returns:
+        Human-readable problems (empty: every hazard in the log is ordered).
+    """
+    clocks: dict[str, dict[str, int]] = {}
+    events: dict = {}
+    history: dict = {}
+    protected: dict = {}
+    freed: dict = {}
+    problems: list[str] = []
+
+    def clock(s: str) -> dict[str, int]:
+        return clocks.setdefault(s, {})
+
+    def tick(s: str) -> int:
+        c = clock(s)
+        c[s] = c.get(s, 0) + 1
+        return c[s]
+
+    def join(s: str, other: dict[str, int]) -> None:
+        c = clock(s)
+        for k, v in other.items():
+            if v > c.get(k, 0):
+                c[k] = v
+
+    for i, op in enumerate(ops):
+        kind = op[0]
+        if kind == "wait_stream":
+            _, a, b = op
+            join(a, dict(clock(b)))
+            tick(a)
+        elif kind == "record":
+            _, ev, s = op
+            tick(s)
+            events[ev] = dict(clock(s))
+        elif kind == "wait_event":
+            _, s, ev = op
+            if ev in events:
+                join(s, events[ev])
+            tick(s)
+        elif kind == "record_stream":
+            _, buf, s = op
+            protected.setdefault(buf, set()).add(s)
+        elif kind == "access":
+            _, s, buf, mode = op
+            n = tick(s)
+            if buf in freed:
+                problems.append(f"op {i}: {s} {'writes' if mode == 'w' else 'reads'} {buf} after it was freed "
+                                f"(op {freed[buf]})")
+            for ps, pn, pmode, pi in history.get(buf, ()):
+                if ps != s and "w" in (mode, pmode) and clock(s).get(ps, 0) < pn:
+                    problems.append(f"op {i}: {s} {'writes' if mode == 'w' else 'reads'} {buf} while op {pi} "
+                                    f"({ps} {'write' if pmode == 'w' else 'read'}) may not have run yet")
+            history.setdefault(buf, []).append((s, n, mode, i))
+        elif kind == "free":
+            _, s, buf = op
+            tick(s)
+            for ps, pn, pmode, pi in history.get(buf, ()):
+                if ps != s and ps not in protected.get(buf, ()) and clock(s).get(ps, 0) < pn:
+                    problems.append(f"op {i}: {buf} freed for reuse on {s} while op {pi} ({ps} "
+                                    f"{'write' if pmode == 'w' else 'read'}) may not have run yet and no "
+                                    f"record_stream({ps}) protects it")
+            freed[buf] = i
+        else:
+            raise ValueError(f"unknown stream operation {op!r}")
+    return problems
+
+
+__all__ = ["copy_overlap", "simulate_schedule", "span_ms", "plot_timeline", "plot_timelines", "check_stream_order",
+           "KIND_COLORS"]

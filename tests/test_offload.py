@@ -77,10 +77,10 @@ def _offloaded(model, inputs, buffers, prefetch, seed=0):
 _MODELS: dict = {}
 
 
-def _model(preset, lora, quant=None, dropout=0.0):
-    key = (preset, lora, quant, dropout)
+def _model(preset, lora, quant=None, dropout=0.0, num_layers=None):
+    key = (preset, lora, quant, dropout, num_layers)
     if key not in _MODELS:
-        m = build_model(preset, device="cpu", dtype=torch.float32, quant=quant,
+        m = build_model(preset, device="cpu", dtype=torch.float32, quant=quant, num_layers=num_layers,
                         lora=LoraSettings(rank=4, dropout=dropout) if lora else None)
         m.train()
         _MODELS[key] = m
@@ -344,6 +344,222 @@ def test_dropped_graph_returns_its_slots():
         O.disable_offloaded_checkpointing(model, release_pool=True)
 
 
+# --- the stream-order model: every cross-stream hazard ordered, for every pattern (checked on a CPU) ---------------
+def _logged(model, buffers, prefetch, run, **kw):
+    """Run ``run()`` with offload on and the manager's stream-operation log recording; return the log."""
+    O.disable_offloaded_checkpointing(model, release_pool=True)      # fresh manager: first allocations included
+    manager = O.enable_offloaded_checkpointing(model, buffers, prefetch, **kw)
+    manager.stream_log = []
+    try:
+        run()
+        O.disable_offloaded_checkpointing(model)                    # logs the staging buffers' release
+        return manager.stream_log
+    finally:
+        manager.stream_log = None
+        O.disable_offloaded_checkpointing(model, release_pool=True)
+        model.zero_grad(set_to_none=True)
+
+
+def _patterns(model):
+    a, b, c = (_batch(seed=s).model_inputs() for s in (1, 2, 3))
+    small, big = _batch(tokens=64, row=64).model_inputs(), _batch(tokens=256, row=128).model_inputs()
+
+    def steps():
+        for _ in range(2):
+            model(**a).loss.backward()
+
+    def accumulate():
+        (model(**a).loss + model(**b).loss).backward()
+
+    def forward_order():
+        la, lb = model(**a).loss, model(**b).loss
+        la.backward()
+        lb.backward()
+
+    def interleaved():
+        la, lb = model(**a).loss, model(**b).loss
+        lb.backward()
+        lc = model(**c).loss
+        la.backward()
+        lc.backward()
+
+    def growth():
+        for x in (small, big, small):
+            model(**x).loss.backward()
+
+    def dropped_graph():
+        loss = model(**a).loss
+        del loss
+        gc.collect()
+        model(**b).loss.backward()
+
+    return {"steps": steps, "accumulate": accumulate, "forward-order": forward_order, "interleaved": interleaved,
+            "growth": growth, "dropped-graph": dropped_graph}
+
+
+@pytest.mark.parametrize("serial", [False, True], ids=["copy-stream-fwd", "serial-fwd"])
+@pytest.mark.parametrize("buffers,prefetch", MODES, ids=MODE_IDS)
+def test_stream_order_model_has_no_race(buffers, prefetch, serial):
+    from fastsft_lab.timeline import check_stream_order
+
+    model = _model("tiny-qwen3", True)
+    for name, run in _patterns(model).items():
+        log = _logged(model, buffers, prefetch, run, serial_forward_copies=serial)
+        kinds = {op[0] for op in log}
+        assert {"wait_stream", "record", "wait_event", "access", "free"} <= kinds, name
+        assert check_stream_order(log) == [], name
+
+
+def test_stream_order_model_with_fallback_has_no_race(monkeypatch):
+    from fastsft_lab.timeline import check_stream_order
+
+    model = _model("tiny-qwen3", True, num_layers=4)
+    monkeypatch.setattr(O.OffloadManager, "_allocate_staging",
+                        _fail_second_staging_buffer(O.OffloadManager._allocate_staging))
+    with pytest.warns(RuntimeWarning, match="ONE buffer"):
+        log = _logged(model, 2, True, _patterns(model)["steps"])
+    assert check_stream_order(log) == []
+
+
+def _without(monkeypatch, method, skip):
+    real = getattr(O.OffloadManager, method)
+
+    def patched(self, *args):
+        if not skip(*args):
+            real(self, *args)
+    monkeypatch.setattr(O.OffloadManager, method, patched)
+
+
+@pytest.mark.parametrize("broken", ["staging-allocated-on-compute", "no-wait-for-free", "no-wait-for-ready",
+                                    "no-record-stream-on-input", "no-copy-wait-for-producer"])
+def test_stream_order_model_catches_each_missing_ordering(monkeypatch, broken):
+    # Negative controls: remove one ordering operation and the model must report a race. The first one is the
+    # bug the H200 run exposed: staging buffers allocated on the compute stream but first written by the copy
+    # stream, whose H2D could then overwrite memory still used by queued compute kernels (the loss/LM-head backward).
+    from fastsft_lab.timeline import check_stream_order
+
+    if broken == "staging-allocated-on-compute":
+        monkeypatch.setattr(O.OffloadManager, "_STAGING_ALLOC_STREAM", "compute")
+    elif broken == "no-wait-for-free":
+        _without(monkeypatch, "_wait_event", lambda stream, key: key[0] == "free")
+    elif broken == "no-wait-for-ready":
+        _without(monkeypatch, "_wait_event", lambda stream, key: key[0] == "ready")
+    elif broken == "no-record-stream-on-input":
+        _without(monkeypatch, "_record_stream", lambda tensor, buf, stream: buf[0] == "input")
+    else:
+        _without(monkeypatch, "_wait_stream", lambda waiter, waitee: (waiter, waitee) == ("copy", "compute"))
+    model = _model("tiny-qwen3", True)
+    buffers, prefetch = (1, False) if broken == "no-wait-for-free" else (2, True)
+    problems = check_stream_order(_logged(model, buffers, prefetch, _patterns(model)["steps"]))
+    assert problems, f"{broken}: the model found no race"
+    where = {"staging-allocated-on-compute": "staging", "no-wait-for-free": "staging",
+             "no-wait-for-ready": "staging", "no-record-stream-on-input": "input",
+             "no-copy-wait-for-producer": "input"}[broken]
+    assert any(where in p for p in problems), problems[:3]
+
+
+def test_check_stream_order_semantics():
+    from fastsft_lab.timeline import check_stream_order
+
+    ok = [("access", "compute", "x", "w"), ("wait_stream", "copy", "compute"), ("access", "copy", "x", "r"),
+          ("record_stream", "x", "copy"), ("free", "compute", "x")]
+    assert check_stream_order(ok) == []
+    # a wait issued BEFORE the event is re-recorded orders only against the older record
+    stale = [("record", "e", "compute"), ("wait_event", "copy", "e"), ("access", "compute", "b", "r"),
+             ("record", "e", "compute"), ("access", "copy", "b", "w")]
+    assert len(check_stream_order(stale)) == 1
+    fresh = stale[:3] + [("record", "e", "compute"), ("wait_event", "copy", "e"), ("access", "copy", "b", "w")]
+    assert check_stream_order(fresh) == []
+    # waiting on an event never recorded orders nothing
+    assert check_stream_order([("access", "compute", "b", "w"), ("wait_event", "copy", "never"),
+                               ("access", "copy", "b", "r")])
+    # reads on two streams do not conflict; use after free is reported
+    assert check_stream_order([("access", "compute", "b", "r"), ("access", "copy", "b", "r")]) == []
+    assert check_stream_order([("free", "compute", "b"), ("access", "compute", "b", "r")])
+    with pytest.raises(ValueError, match="unknown stream operation"):
+        check_stream_order([("sync",)])
+
+
+# --- the offloaded forward runs the kernels of the standard path ---------------------------------------------------
+class _GradModeProbe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen = []
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.seen.append((torch.is_grad_enabled(), y.requires_grad))
+        return torch.tanh(y)
+
+
+@pytest.mark.parametrize("forward_grad", [True, False], ids=["grad-on", "no-grad"])
+def test_offloaded_forward_grad_mode(forward_grad):
+    # Kernels such as SDPA's pick their backend by whether inputs require grad: the default forward runs with grad
+    # on (nothing saved), like standard checkpointing; forward_grad=False is torch's reentrant behaviour.
+    probe = _GradModeProbe()
+    manager = O.OffloadManager("cpu", buffers=2, prefetch=True, forward_grad=forward_grad)
+    x = torch.randn(3, 4, requires_grad=True)
+    y = O.offloaded_checkpoint(probe, x, manager=manager, module=probe)
+    assert probe.seen == [(forward_grad, forward_grad)]
+    assert y.requires_grad and y.grad_fn is not None and "_OffloadedLayer" in type(y.grad_fn).__name__
+    y.sum().backward()
+    assert probe.seen[-1] == (True, True)          # the recompute always runs with grad
+    ref = x.detach().clone().requires_grad_(True)
+    torch.tanh(probe.lin(ref)).sum().backward()
+    torch.testing.assert_close(x.grad, ref.grad, rtol=0, atol=0)
+
+
+def test_router_aux_loss_through_offloaded_layers_is_a_clear_error():
+    # Router logits captured during the offloaded forward hang on its discarded graph: back-propagating an
+    # auxiliary loss through them raises and says what to do; forward_grad=False keeps the old silent behaviour.
+    model = _model("tiny-gpt-oss", True)
+    inputs = _batch(tokens=128, row=64).model_inputs()
+    try:
+        O.enable_offloaded_checkpointing(model)
+        out = model(**inputs, output_router_logits=True)
+        with pytest.raises(RuntimeError, match="output_router_logits"):
+            out.loss.backward()
+        del out
+        gc.collect()
+        O.disable_offloaded_checkpointing(model, release_pool=True)
+        O.enable_offloaded_checkpointing(model, forward_grad=False)
+        out = model(**inputs, output_router_logits=True)
+        assert not out.aux_loss.requires_grad
+        out.loss.backward()
+    finally:
+        O.disable_offloaded_checkpointing(model, release_pool=True)
+        model.zero_grad(set_to_none=True)
+
+
+def test_compare_grads_names_the_worst_tensor():
+    ref = (torch.tensor(2.0), {"a": torch.ones(4), "tiny": torch.full((4,), 1e-9), "b": torch.ones(2)})
+    got = (torch.tensor(2.0), {"a": torch.ones(4) * 1.001, "tiny": torch.full((4,), 3e-6), "c": torch.ones(2)})
+    rep = O.compare_grads(ref, got, rtol=2e-2, atol=1e-6)
+    assert not rep["ok"] and not rep["bitwise_equal"]
+    assert rep["worst"]["name"] == "tiny" and rep["worst"]["scale"] == pytest.approx(1e-9)
+    assert rep["failing"] == ["tiny"] and rep["missing"] == ["b", "c"]
+    nan = O.compare_grads(ref, (torch.tensor(float("nan")), ref[1]), rtol=1.0, atol=1.0)
+    assert not nan["ok"] and nan["worst"]["name"] == "loss"
+
+
+def test_check_equivalence_report_and_transport_on_cpu():
+    model = _model("tiny-qwen3", True)
+    inputs = _batch().model_inputs()
+    eq = O.check_equivalence(model, inputs, modes=[(2, True)])
+    assert eq["offload x2 + prefetch"]["report"]["vs_standard"]["bitwise_equal"]
+    text = O.format_equivalence(eq)
+    assert "offload x2 + prefetch" in text and "bitwise equal" in text
+    for forward_grad in (True, False):
+        tr = O.check_transport(model, inputs, forward_grad=forward_grad)
+        assert set(tr) == {"offload x1", "offload x2", "offload x2 + prefetch"}
+        for mode, r in tr.items():
+            n = len(decoder_layers(model))
+            assert r["transport_ok"] and r["checked"] == 2 * n, (mode, r)
+            assert r["forward_inputs_bitwise_equal"] and r["loss_abs_diff"] == 0, (mode, r)
+    assert O.offload_manager(model).verify is False and not O.is_offloaded(model)
+
+
 # --- errors -----------------------------------------------------------------------------------------------------
 def test_bad_configuration_errors():
     model = _model("tiny-qwen3", True)
@@ -383,29 +599,43 @@ def test_double_backward_and_autograd_grad_raise_clearly():
 
 
 # --- the OOM fallback ---------------------------------------------------------------------------------------------
+def _fail_second_staging_buffer(real, calls=None):
+    """An _allocate_staging that fails whenever another staging buffer already exists (the second one).
+
+    Which slot is allocated first depends on the parity of the layer count (the first backward is the last
+    layer, slot = seq % 2): the first CUDA version of this fake only failed on slot 1 and so never fired on a
+    6-layer model ("DID NOT WARN" on the H200).
+    """
+    def failing(self, nbytes):
+        if calls is not None:
+            calls.append(nbytes)
+        if any(b is not None for b in self._staging):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 84.00 MiB (injected)")
+        return real(self, nbytes)
+    return failing
+
+
+@pytest.mark.parametrize("num_layers", [3, 4], ids=["odd-layers", "even-layers"])
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "reactive"])
-def test_second_buffer_oom_falls_back_to_one(monkeypatch, prefetch):
-    model = _model("tiny-qwen3", True)
+def test_second_buffer_oom_falls_back_to_one(monkeypatch, prefetch, num_layers):
+    # even layer count: slot 1 is allocated first and slot 0 is the one that does not fit (the fallback used to
+    # treat that as a genuine OOM and raise)
+    model = _model("tiny-qwen3", True, num_layers=num_layers)
     inputs = _batch().model_inputs()
     reference = _step(model, inputs)
     O.disable_offloaded_checkpointing(model, release_pool=True)     # a fresh manager
     manager = O.enable_offloaded_checkpointing(model, buffers=2, prefetch=prefetch)
-    real = O.OffloadManager._allocate_staging
     calls = []
-
-    def failing(self, nbytes):
-        calls.append(nbytes)
-        if self._staging[0] is not None:      # the second buffer
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 84.00 MiB (injected)")
-        return real(self, nbytes)
-
-    monkeypatch.setattr(O.OffloadManager, "_allocate_staging", failing)
+    monkeypatch.setattr(O.OffloadManager, "_allocate_staging",
+                        _fail_second_staging_buffer(O.OffloadManager._allocate_staging, calls))
     try:
         with pytest.warns(RuntimeWarning, match="falling back to ONE buffer"):
             got = _step(model, inputs)
         _assert_same(reference, got)
         assert manager.active_buffers == 1 and manager.stats.fallbacks == 1
-        assert manager.staging_bytes[1] == 0
+        kept = (num_layers - 1) % 2                      # the last layer's slot was allocated first and is kept
+        assert manager._single_slot == kept
+        assert manager.staging_bytes[1 - kept] == 0 and manager.staging_bytes[kept] > 0
         with warnings.catch_warnings():
             warnings.simplefilter("error")    # no second warning: it stays on one buffer
             _assert_same(reference, _step(model, inputs))
@@ -639,7 +869,10 @@ def test_cuda_checkpoint_saves_less_memory_than_standard(cuda_model):
 
 
 @pytest.mark.cuda
-def test_cuda_copies_run_on_the_copy_stream_and_overlap(cuda_model):
+def test_cuda_copies_run_on_the_copy_stream(cuda_model):
+    # Size-independent facts only. (The first version also asserted that the forward copies overlap the layer
+    # forwards: on this tiny model a layer is a few microseconds of launch-bound kernels next to a 2 MB copy, and
+    # the H200 measured 0.0 and 0.013 there, so the overlap assertion lives in the wide-model test below.)
     inputs = _batch(tokens=4096, row=1024).to("cuda").model_inputs()
     manager = O.enable_offloaded_checkpointing(cuda_model, 2, True)
     try:
@@ -653,28 +886,111 @@ def test_cuda_copies_run_on_the_copy_stream_and_overlap(cuda_model):
     from fastsft_lab.timeline import copy_overlap
 
     assert {e["lane"] for e in ev if e["kind"] in ("d2h", "h2d")} == {"copy"}
+    assert {e["lane"] for e in ev if e["kind"] in ("fwd", "bwd")} == {"compute"}
     ov = copy_overlap(ev)
     assert ov["h2d_count"] == ov["d2h_count"] == 6
-    assert ov["d2h_hidden_share"] > 0.5    # forward copies run under the next layer's forward
+    assert all(e["end_ms"] >= e["start_ms"] for e in ev)
 
 
 @pytest.mark.cuda
 def test_cuda_fallback_on_injected_oom(cuda_model, monkeypatch):
+    # 6 layers: the first backward (layer 5) allocates slot 1, so slot 0 is the second buffer and must fall back
     inputs = _batch(tokens=2048, row=1024).to("cuda").model_inputs()
     standard = _standard(cuda_model, inputs)
-    real = O.OffloadManager._allocate_staging
-
-    def failing(self, nbytes):
-        if self._staging[0] is not None:
-            raise torch.cuda.OutOfMemoryError("injected")
-        return real(self, nbytes)
-
-    monkeypatch.setattr(O.OffloadManager, "_allocate_staging", failing)
+    O.disable_offloaded_checkpointing(cuda_model, release_pool=True)
+    monkeypatch.setattr(O.OffloadManager, "_allocate_staging",
+                        _fail_second_staging_buffer(O.OffloadManager._allocate_staging))
     with pytest.warns(RuntimeWarning, match="ONE buffer"):
         got = _offloaded(cuda_model, inputs, 2, True)
-    for n in standard[1]:
-        a, b = standard[1][n].float(), got[1][n].float()
-        assert (a - b).abs().max() <= 2e-2 * a.abs().max() + 1e-6, n
+    manager = O.offload_manager(cuda_model)
+    assert manager.stats.fallbacks == 1 and manager.active_buffers == 1 and manager._single_slot == 1
+    rep = O.compare_grads(standard, got, rtol=2e-2, atol=1e-6)
+    assert rep["ok"], rep
+    O.disable_offloaded_checkpointing(cuda_model, release_pool=True)
+
+
+# --- CUDA at a size where kernels are long (the condition under which the H200 run saw wrong gradients) ----------
+# Qwen3-14B's config (vocab 152k, head dim 128, GQA 4:1, rope) at hidden 4096 and 4 layers: cheap, yet every
+# layer runs tens of milliseconds at 8k tokens and the LM-head/loss backward is large.
+_WIDE = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8)
+
+
+def _wide_model(quant=None):
+    m = build_model("qwen3-14b", device="cuda", dtype=torch.bfloat16, quant=quant, lora=LoraSettings(rank=16),
+                    num_layers=4, config_overrides=_WIDE, attn_implementation="sdpa")
+    m.train()
+    return m
+
+
+def _wide_inputs():
+    # one 8192-token row of packed sequences of realistic lengths, as notebook 02's real-size check
+    return benchmark_batches(tokens_per_step=8192, row_tokens=8192, steps=1, vocab_size=151936,
+                             mix="realistic")[0].to("cuda").model_inputs()
+
+
+@pytest.fixture(scope="module")
+def wide_model():
+    m = _wide_model()
+    yield m
+    O.disable_offloaded_checkpointing(m, release_pool=True)
+    del m
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("quant", [None, "nf4"], ids=["bf16-lora", "nf4-qlora"])
+def test_cuda_wide_offload_matches_standard(quant, wide_model):
+    # Hidden 4096, 4 layers, 8192 tokens, vocab 152k: tens of ms per layer and a big LM-head backward, so the CPU
+    # runs far ahead of the GPU -- what made the first staging allocation reuse memory still in use.
+    model = wide_model if quant is None else _wide_model(quant)
+    try:
+        eq = O.check_equivalence(model, _wide_inputs())
+        report = O.format_equivalence(eq)
+        print(report)
+        assert eq["standard_vs_no_checkpointing"], report
+        for mode in ("offload x1", "offload x2", "offload x2 + prefetch"):
+            assert eq[mode]["vs_standard"] and eq[mode]["vs_no_checkpointing"], report
+    finally:
+        if quant is not None:
+            O.disable_offloaded_checkpointing(model, release_pool=True)
+            del model
+            torch.cuda.empty_cache()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("forward_grad", [True, False], ids=["grad-forward", "no-grad-forward"])
+def test_cuda_wide_transport_is_bitwise_intact(wide_model, forward_grad):
+    # Every staged input equals, bit for bit, the device copy taken in forward: when the recompute reads it and
+    # after the layer's backward (verify mode). The forward comparison (offloaded forward vs a plain forward) is
+    # printed for both forward modes: it tells whether no_grad alone changes the forward's bits on this GPU.
+    tr = O.check_transport(wide_model, _wide_inputs(), forward_grad=forward_grad)
+    for mode, r in tr.items():
+        print(f"forward_grad={forward_grad} {mode}: {r}")
+    for mode, r in tr.items():
+        assert r["transport_ok"] and r["checked"] == 8, (mode, r)
+
+
+@pytest.mark.cuda
+def test_cuda_wide_copies_overlap_compute(wide_model):
+    inputs = _wide_inputs()
+    manager = O.enable_offloaded_checkpointing(wide_model, 2, True)
+    try:
+        wide_model(**inputs).loss.backward()   # warm-up
+        with manager.tracing() as tr:
+            wide_model(**inputs).loss.backward()
+        ev = tr.events()
+    finally:
+        O.disable_offloaded_checkpointing(wide_model, release_pool=True)
+        wide_model.zero_grad(set_to_none=True)
+    from fastsft_lab.timeline import copy_overlap
+
+    ov = copy_overlap(ev)
+    print(ov)
+    assert ov["d2h_count"] == ov["h2d_count"] == 4
+    # each forward copy runs under its own layer's forward (H200 at real size: 0.996); each reload but the first
+    # (which overlaps the untraced LM-head backward) under the previous layer's backward
+    assert ov["d2h_hidden_share"] > 0.5, ov
+    assert ov["h2d_hidden_share"] > 0.5, ov
 
 
 @pytest.mark.cuda

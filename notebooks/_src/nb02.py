@@ -162,6 +162,12 @@ else:
   it). So the reload of layer k-1 only waits for layer k+1 — already finished — and runs under layer k's backward.
 - **Prefetch.** The backward of layer k knows which layer comes next (a per-step registry of offloaded inputs, in
   forward order), so it issues the reload of layer k-1 before launching its own kernels.
+- **Staging buffers live on the copy stream.** They are allocated on the stream that writes them first, so the
+  caching allocator's stream ordering covers the memory's previous users, and `record_stream` on the compute
+  stream covers the reads when they are freed. (The first H200 run showed why this matters, below.)
+- **Same kernels as standard checkpointing.** The offloaded forward runs with grad mode on but keeps nothing
+  (a `saved_tensors_hooks` pair drops what autograd would save, as torch's non-reentrant checkpoint does):
+  kernels whose choice can depend on whether inputs require grad (SDPA's backend and variant) choose the same.
 - **Safe by construction.** Several forwards before one backward (gradient accumulation) are keyed by registry
   order, an owner check reloads anything overwritten, and if the second buffer does not fit in GPU memory the code
   warns and falls back to one buffer instead of crashing.
@@ -173,18 +179,91 @@ copy     | h2d L8 | h2d L7 | h2d L6 |                    <- hidden behind comput
 
 ### Correct before fast
 Loss and every gradient of each mode against transformers' standard (non-reentrant) checkpointing and against a
-run with no checkpointing at all — the reference that nothing here touches. Exact on a CPU in float32; within bf16
-noise on a GPU. LoRA adapters of the first layer get their gradients even though that layer's input does not require
-grad (torch's reentrant checkpoint would silently drop them).
+run with no checkpointing at all — the reference that nothing here touches. LoRA adapters of the first layer get
+their gradients even though that layer's input does not require grad (torch's reentrant checkpoint would silently
+drop them).
+
+**What the first H200 run showed.** Executed on an H200 at real size (Qwen3-14B width, 10 layers, NF4 + LoRA r16,
+8192 tokens in one row, bf16), this check printed *standard == no checkpointing: True* but *False* for every offload
+mode, the single buffer included, while the tiny CUDA tests passed on the same machine. The cell below reads those
+lines from the committed GPU-executed copy of this notebook. The cause, found by reading the code against CUDA's
+stream rules: the staging buffers were allocated on the **compute** stream but first written by the **copy**
+stream. The caching allocator only orders a block's reuse for the stream it is allocated on, so the first reload of
+a step could overwrite memory whose previous users — the loss and LM-head backward, still queued on the GPU when
+the CPU reaches the last layer's backward — had not run yet. With microsecond kernels the GPU has finished them by
+then, so only real sizes showed it. The buffers are now allocated on the copy stream. A second, possible
+contributor was changed too: the offloaded forward ran under `no_grad`, where SDPA may pick another backend than
+the standard forward does; it now runs with grad mode on (`check_transport` below tells, on a GPU, whether the
+forward bits and the reloaded bits match). **The GPU re-check after these fixes has not been run yet**; the
+equivalence numbers below are from the machine this copy of the notebook ran on.
+'''),
+("code", r'''
+# What the first H200 run printed (read from the committed GPU-executed notebook, not re-run here)
+import json, pathlib
+H200_NB = "benchmarks/results/h200-2026-12-02/notebooks/02_double_buffered_offload.h200.ipynb"
+h200_nb = pathlib.Path(O.default_results_dir()).parents[1] / H200_NB
+if h200_nb.exists():
+    for c in json.loads(h200_nb.read_text())["cells"]:
+        if c["cell_type"] == "code" and "check_equivalence" in "".join(c["source"]):
+            for o in c.get("outputs", []):
+                print("".join(o.get("text", "")), end="")
+    print(f"(from {H200_NB}, before the fix)")
+else:
+    print(f"{H200_NB} is not in this checkout.")
+'''),
+("md", r'''
+**The ordering, checked on any machine.** Every stream operation the manager issues (waits, event records, copies,
+which buffer each one reads or writes, allocations and frees) is logged — on a CPU too, where the very same code
+runs synchronously — and `fastsft_lab.timeline.check_stream_order` replays the log as a happens-before model of
+CUDA streams: every pair of accesses to one buffer from two streams, at least one a write, must be ordered by a
+stream wait or an event. The allocation pattern of the first version fails it (`tests/test_offload.py` has that
+negative control and four more). Then the gradients of a tiny model in float32 on the CPU, which must be *exactly*
+equal. Both print the same on every machine.
 '''),
 ("code", r'''
 # NBVAL_CHECK_OUTPUT
+from fastsft_lab.timeline import check_stream_order
+tiny = build_model("tiny-qwen3", device="cpu", dtype=torch.float32, lora=LoraSettings(rank=8))
+tiny_inputs = benchmark_batches(tokens_per_step=256, row_tokens=128, steps=1, vocab_size=tiny.config.vocab_size,
+                                mix="short")[0].model_inputs()
+for buffers, prefetch in ((1, False), (2, False), (2, True)):
+    manager = O.enable_offloaded_checkpointing(tiny, buffers, prefetch)
+    manager.stream_log = []
+    for _ in range(2):
+        tiny(**tiny_inputs).loss.backward()
+    O.disable_offloaded_checkpointing(tiny)
+    problems = check_stream_order(manager.stream_log)
+    manager.stream_log = None
+    print(f"{'offload x%d' % buffers + (' + prefetch' if prefetch else ''):22s} unordered cross-stream accesses: "
+          f"{len(problems)}")
+tiny.zero_grad(set_to_none=True)
+eq_tiny = O.check_equivalence(tiny, tiny_inputs)    # float32 on a CPU: exact
+print("standard checkpointing == no checkpointing:", eq_tiny["standard_vs_no_checkpointing"])
+for mode in ("offload x1", "offload x2", "offload x2 + prefetch"):
+    r = eq_tiny[mode]
+    print(f"{mode:22s} == standard: {r['vs_standard']}   == no checkpointing: {r['vs_no_checkpointing']}   "
+          f"bitwise: {r['report']['vs_standard']['bitwise_equal']}")
+O.disable_offloaded_checkpointing(tiny, release_pool=True)
+del tiny
+'''),
+("md", r'''
+The same check on this notebook's model (real size on a GPU: bf16, so within bf16 noise on the scale of each
+tensor), with the worst tensor of every comparison: its max |diff|, its scale, what it is allowed. On a GPU it also
+checks the two halves of the offload separately: the offloaded forward against a plain forward, and every reloaded
+input, bit for bit, against a device copy taken in forward (`check_transport`). Not compared by nbval: the numbers
+depend on the machine.
+'''),
+("code", r'''
 eq_batch = benchmark_batches(tokens_per_step=EQ_TOKENS, row_tokens=min(ROW_TOKENS, EQ_TOKENS), steps=1,
                              vocab_size=vocab, mix="short" if SMOKE else "realistic")[0].to(DEVICE)
 eq = O.check_equivalence(model, eq_batch.model_inputs())
-print("standard checkpointing == no checkpointing:", eq["standard_vs_no_checkpointing"])
-for mode in ("offload x1", "offload x2", "offload x2 + prefetch"):
-    print(f"{mode:22s} == standard: {eq[mode]['vs_standard']}   == no checkpointing: {eq[mode]['vs_no_checkpointing']}")
+print(f"{MODEL} x{cfg.num_hidden_layers} layers, {EQ_TOKENS} tokens, {str(DTYPE).replace('torch.', '')} on {DEVICE}:")
+print(O.format_equivalence(eq))
+if DEVICE == "cuda":
+    for mode, r in O.check_transport(model, eq_batch.model_inputs()).items():
+        print(f"{mode:22s} reloads bitwise intact: {r['transport_ok']} ({r['checked']} checks); offloaded forward "
+              f"== plain forward bitwise: {r['forward_inputs_bitwise_equal']} (max |diff| "
+              f"{r['forward_inputs_max_abs_diff']:.3g})")
 '''),
 ("code", r'''
 # NBVAL_CHECK_OUTPUT
@@ -302,11 +381,15 @@ display(Image(path))
   events per slot) and a prefetch the reload runs under the previous layer's backward. The gain is the exposed copy
   time: large when copies are slow relative to compute (narrow layers, short rows, slower links, or a design that
   also serialises the forward copies), small on an H200 at long sequences — the sweep shows the regime.
-- Numbers unchanged (exact in float32), no leak, an exact way back: `disable_offloaded_checkpointing(model)`.
+- Numbers unchanged (exact in float32 on a CPU; on a GPU, the real-size re-check after the staging-allocation fix
+  is still to run), no leak, an exact way back: `disable_offloaded_checkpointing(model)`.
+- Stream ordering is easy to get subtly wrong and only shows at real sizes: log the operations and check them
+  (`check_stream_order`), and verify the reloaded bits on the GPU (`check_transport`).
 
 Further reading: PyTorch's [pinned memory and non_blocking tutorial](https://pytorch.org/tutorials/intermediate/pinmem_nonblock.html),
 `torch.autograd.graph.save_on_cpu`, torchtune's `OffloadActivations`, transformers'
-`gradient_checkpointing_enable(offload=...)`, and `fastsft_lab/offload.py` (the manager is ~250 lines).
+`gradient_checkpointing_enable(offload=...)`, and `fastsft_lab/offload.py` (the manager, with its stream-order
+log, is ~400 lines; `OffloadManager`'s docstring lists every cross-stream hazard and what orders it).
 '''),
 ("code", r'''
 O.disable_offloaded_checkpointing(model, release_pool=True)
