@@ -308,6 +308,13 @@ def plot_result(result: dict, path: str, phases: Sequence[str] = ("forward", "st
                  f"| {where}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: str) -> str:
+    """Write a matplotlib figure as PNG (folders created) and close it: every chart of the package goes here."""
+    import matplotlib.pyplot as plt
+
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -315,4 +322,4 @@ def plot_result(result: dict, path: str, phases: Sequence[str] = ("forward", "st
 
 
 __all__ = ["Variant", "default_inputs", "run_step", "make_optimizer", "run_variants", "count_step_syncs",
-           "make_result", "write_json", "format_table", "plot_result"]
+           "make_result", "write_json", "format_table", "plot_result", "save_figure"]

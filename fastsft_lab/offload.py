@@ -1353,11 +1353,9 @@ def plot_offload_result(result: dict, path: str) -> str:
     fig.suptitle(f"offloaded checkpointing: {cfg.get('model')} x{cfg.get('num_layers')} layers | "
                  f"{cfg.get('tokens_per_step')} tokens/step | {where}", fontsize=9)
     fig.tight_layout()
-    import os
+    from .bench import save_figure
 
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
@@ -1563,11 +1561,9 @@ def plot_sweep(result: dict, path: str) -> str:
     ax.legend(fontsize=8)
     ax.set_title("Where the second buffer matters", fontsize=9)
     fig.tight_layout()
-    import os
+    from .bench import save_figure
 
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
@@ -1905,11 +1901,9 @@ def plot_across_tokens(results: Sequence[dict], path: str | None = None):
                  f"r{cfg.get('lora_rank')} | {env.get('gpu_name') or 'CPU'}", fontsize=9)
     fig.tight_layout()
     if path is not None:
-        import os
+        from .bench import save_figure
 
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        save_figure(fig, path)
     return fig
 
 

@@ -559,10 +559,9 @@ def plot_regime(summary: list[dict], path: str, x: str = "tokens_per_step") -> s
                 ax.set_ylabel(f"{phase} speedup over the naive path")
             ax.legend(fontsize=7)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    from .bench import save_figure
+
+    return save_figure(fig, path)
 
 
 def _default_options(device: torch.device, smoke: bool) -> dict:

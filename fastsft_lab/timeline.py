@@ -192,11 +192,9 @@ def plot_timelines(named: dict[str, Sequence[dict]], path: str | None = None, *,
         fig.suptitle(suptitle, fontsize=10)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     if path is not None:
-        import os
+        from .bench import save_figure
 
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        save_figure(fig, path)
     return fig
 
 
