@@ -2,6 +2,8 @@
 # One GPU call of the benchmark session (run from the repo root on the GPU machine, wheels carried in .whl/.nbwhl).
 #   benchmarks/gpu_session.sh check     # CUDA tests + a tiny run of every scenario on the GPU (shakes out CUDA bugs)
 #   benchmarks/gpu_session.sh bench A   # real-size scenarios (A: packed + moe, B: offload + notebooks)
+#   benchmarks/gpu_session.sh recheck   # what the 2026-12-02 session left unverified: offload CUDA tests (with their
+#                                       # per-tensor reports), the CUDA tests not reached, offload bench, notebook 02
 # Everything it writes goes under $OUT (logs + one tarball of benchmarks/results and executed notebooks).
 set -uo pipefail
 stage=${1:-check}; part=${2:-A}
@@ -28,6 +30,13 @@ case "$stage" in
       SMOKE=0 timeout 300 python3 benchmarks/run_notebooks.py notebooks/0*.ipynb 2>&1 | tail -40 | tee "$OUT/notebooks.log"
       tar czf "$OUT/notebooks.tgz" notebooks/*.ipynb
     fi
+    ;;
+  recheck)
+    timeout 240 python3 -m pytest -q -m cuda tests/test_offload.py -rA -rP -p no:cacheprovider --no-header 2>&1 | tail -150 > "$OUT/offload_cuda_tests.log"
+    timeout 120 python3 -m pytest -q -m cuda tests/test_profiling.py tests/test_packed.py -k "contamination or model_packed or sync_debug" -p no:cacheprovider --no-header -rfE 2>&1 | tail -40 > "$OUT/other_cuda_tests.log"
+    timeout 200 python3 -m fastsft_lab bench --full --only offload --set offload.tokens=8192,16384 --out "$R/bench-recheck" 2>&1 | tail -40 > "$OUT/bench_offload_recheck.log"
+    SMOKE=0 timeout 200 python3 benchmarks/run_notebooks.py notebooks/02_double_buffered_offload.ipynb 2>&1 | tail -20 > "$OUT/notebook02.log"
+    tar czf "$OUT/notebooks.tgz" notebooks/02_double_buffered_offload.ipynb
     ;;
 esac
 tar czf "$OUT/results-$stage$part.tgz" "$R"
