@@ -89,6 +89,14 @@ def _check_nf4_not_lora(module: nn.Module) -> None:
         )
 
 
+def _nf4_checked(module: nn.Module) -> bool:
+    """True when the experts hold NF4 weights; LoRA on NF4 expert weights is refused with a clear error."""
+    nf4 = _is_nf4(module)
+    if nf4:
+        _check_nf4_not_lora(module)
+    return nf4
+
+
 def _weight(module: nn.Module, name: str) -> torch.Tensor:
     """The full (E, ., .) weight ``name`` in the module's own layout: PEFT-parametrized or NF4-dequantized."""
     return getattr(module, name)
@@ -437,9 +445,7 @@ def naive_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_in
     (``nonzero``) - the syncs this module removes. Bit-identical to the stock eager path on plain weights; on NF4
     weights it dequantizes only the experts that were hit.
     """
-    nf4 = _is_nf4(self)
-    if nf4:
-        _check_nf4_not_lora(self)
+    nf4 = _nf4_checked(self)
     final_hidden_states = torch.zeros_like(hidden_states)
     with torch.no_grad():
         expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts)
@@ -477,9 +483,7 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     num_tokens, k = top_k_index.shape
     if num_tokens == 0:
         return torch.zeros_like(hidden_states)
-    nf4 = _is_nf4(self)
-    if nf4:
-        _check_nf4_not_lora(self)
+    nf4 = _nf4_checked(self)
     sorted_ids, perm, ends = group_by_expert(top_k_index, self.num_experts)
     with torch.profiler.record_function(_HOST_READ_LABEL):
         ends_host = ends.tolist()  # THE host sync of this layer: every slice boundary at once
@@ -531,9 +535,8 @@ def sync_free_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
     num_tokens, k = top_k_index.shape
     if num_tokens == 0:
         return torch.zeros_like(hidden_states)
-    nf4 = _is_nf4(self)
+    nf4 = _nf4_checked(self)
     if nf4:
-        _check_nf4_not_lora(self)
         dtype = getattr(self, _NF4_ATTR)["dtype"]
         reason = grouped_mm_unavailable(hidden_states.to(dtype) if hidden_states.dtype != dtype else hidden_states,
                                         self.down_proj_nf4.new_empty(0, dtype=dtype))
