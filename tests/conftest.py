@@ -26,3 +26,12 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="module")
+def one_cpu_thread():
+    """Tiny models gain nothing from intra-op threads; on a shared 2-core CPU they oversubscribe it (~10x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -25,13 +25,7 @@ ATTN_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL_IMPLS = ("eager",) + MODES + ("grouped_mm",)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models: intra-op threads only add spin-wait noise on a small shared CPU.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 # --- helpers -----------------------------------------------------------------------------------------------------

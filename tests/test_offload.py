@@ -19,13 +19,7 @@ from fastsft_lab.profiling import SyncCounter
 MODES = [(1, False), (2, False), (2, True)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models gain nothing from intra-op threads; on a shared 2-core machine they oversubscribe it (10x slower).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 MODE_IDS = ["x1", "x2", "x2-prefetch"]
 
 
