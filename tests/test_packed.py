@@ -785,3 +785,43 @@ def test_cuda_stock_flex_contamination_and_ours_does_not():
     disable_packed_attention(model)
     assert ours < 1e-3
     assert leak > 1e-2, f"stock GPT-OSS flex did not leak (max diff {leak:.2e}); update notebook 01's claim"
+
+
+@pytest.mark.cuda
+def test_cuda_flex_stays_compiled_across_many_packed_shapes():
+    """More packed shapes than dynamo's default 8 kernels per function (the 16k-token H200 failure): every call
+    stays on the compiled kernel (no eager fallback, which warns and materialises T x T) and stays correct."""
+    scale = 64 ** -0.5
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, extra in enumerate(range(10)):
+            meta, q, k, v, _ = cuda_case(rows=((37, 100, 3, 116 + 64 * extra),), seed=i)
+            out = K.flex_attention_packed(q, k, v, meta.block_mask("cuda"), scale=scale)
+            ref, _ = cuda_reference(meta, q, k, v, None, scale, None)
+            torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+            out.float().sum().backward()
+    assert not [w for w in caught if "without torch.compile" in str(w.message)]
+
+
+def test_flex_recompile_limit_is_a_clear_error_not_a_silent_fallback(monkeypatch):
+    """Past the compile limit, flex must not fall back to its eager T x T path without a word."""
+    import torch._dynamo
+    import torch._dynamo.config as dynamo_config
+    from fastsft_lab.attention import metadata as M
+
+    compiled = K._compiled_flex()
+    torch._dynamo.reset()
+    monkeypatch.setattr(M, "FLEX_RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(dynamo_config, "recompile_limit", 1)
+    try:
+        with torch.no_grad():
+            for i, t in enumerate((128, 256)):
+                meta = PackedMetadata.from_lengths([[t // 2, t // 2]])
+                q = torch.randn(1, 2, t, 16)
+                if i == 0:
+                    K._call_flex(compiled, q, q, q, block_mask=meta.block_mask("cpu"))
+                else:
+                    with pytest.raises(RuntimeError, match="hit 1 recompilations.*varlen"):
+                        K._call_flex(compiled, q, q, q, block_mask=meta.block_mask("cpu"))
+    finally:
+        torch._dynamo.reset()

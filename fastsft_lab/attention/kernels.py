@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .metadata import _round_up
+from . import metadata as _metadata
+from .metadata import _round_up, compile_headroom
 
 
 def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -223,6 +224,23 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
+def _call_flex(fn, *args, **kwargs):
+    if fn is _compiled_flex():
+        import torch._dynamo.config as dynamo_config
+        import torch._dynamo.exc as dynamo_exc
+
+        limit = max(dynamo_config.recompile_limit, _metadata.FLEX_RECOMPILE_LIMIT)
+        try:
+            with compile_headroom():
+                return fn(*args, **kwargs)
+        except dynamo_exc.FailOnRecompileLimitHit as e:
+            raise RuntimeError(
+                f"compiled flex attention hit {limit} recompilations (one per packed shape, window and "
+                "grad mode): pack to a few fixed row shapes (the packer pads every row to max_tokens), or use the varlen "
+                "backend, whose kernels take any shape") from e
+    return fn(*args, **kwargs)
+
+
 @functools.lru_cache(maxsize=1)
 def _flex_lse_kwargs() -> tuple[str, object]:
     from torch.nn.attention import flex_attention as fa
@@ -254,11 +272,11 @@ def flex_attention_packed(q, k, v, block_mask, *, scale: float, sinks: torch.Ten
     enable_gqa = q.shape[1] != k.shape[1]
     if sinks is None:
         with _outside_sync_counter():
-            out = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+            out = _call_flex(fn, q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
         return out.transpose(1, 2)
     name, value = _flex_lse_kwargs()
     with _outside_sync_counter():
-        out, aux = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, **{name: value})
+        out, aux = _call_flex(fn, q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, **{name: value})
     lse = aux if isinstance(aux, torch.Tensor) else aux.lse                # (B, H, T), natural log
     factor = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))
     return (out.float() * factor[..., None]).to(q.dtype).transpose(1, 2)

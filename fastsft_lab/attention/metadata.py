@@ -340,6 +340,25 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype, sink: bool) -> torch.Te
     return mask
 
 
+FLEX_RECOMPILE_LIMIT = 64
+
+
+def compile_headroom():
+    """Room for one compiled flex kernel per shape, and a loud error instead of the silent eager fallback.
+
+    ``torch.compile`` keeps at most ``recompile_limit`` (8) kernels per function, and every caller of
+    ``flex_attention`` shares them (transformers' own flex path too). A benchmark sweep or a training run whose packed
+    shape changes (rows x tokens, window, sinks, grad mode) passes 8 quickly; dynamo then runs flex *eagerly*: it
+    materialises every head's T x T scores and, in torch 2.11, fails inside checkpoint recompute with
+    ``Unsupported: _safe_softmax`` (seen on the H200 at 16k tokens). Within this context the limit is raised for
+    the flex call only, and hitting it raises ``FailOnRecompileLimitHit`` rather than degrading silently.
+    """
+    import torch._dynamo.config as dynamo_config
+
+    return dynamo_config.patch(recompile_limit=max(dynamo_config.recompile_limit, FLEX_RECOMPILE_LIMIT),
+                               fail_on_recompile_limit_hit=True)
+
+
 def _mask_mod(ids: torch.Tensor, window: int | None):
     # One code object for every batch, so a compiled flex kernel is reused rather than recompiled.
     if window is None:
@@ -356,8 +375,10 @@ def _block_mask_from_ids(ids: torch.Tensor, window: int | None, device: torch.de
 
     rows, t = ids.shape
     # On CUDA the mask creation is compiled (as transformers does): otherwise it materialises T x T on the side.
-    return create_block_mask(_mask_mod(ids, window), rows, None, t, t, device=device,
-                             _compile=device.type == "cuda")
+    if device.type != "cuda":
+        return create_block_mask(_mask_mod(ids, window), rows, None, t, t, device=device)
+    with compile_headroom():
+        return create_block_mask(_mask_mod(ids, window), rows, None, t, t, device=device, _compile=True)
 
 
 def _xformers_bias(lengths: list[int], window: int | None, device: torch.device):
