@@ -4,6 +4,10 @@
 #   benchmarks/gpu_session.sh bench A   # real-size scenarios (A: packed + moe, B: offload + notebooks)
 #   benchmarks/gpu_session.sh recheck   # what the 2026-12-02 session left unverified: offload CUDA tests (with their
 #                                       # per-tensor reports), the CUDA tests not reached, offload bench, notebook 02
+# Second session of 2026-12-02 (results in $OUT, copied to benchmarks/results/h200-2026-12-02b afterwards):
+#   benchmarks/gpu_session.sh s2 offload   # offload CUDA tests (-rA -rP: per-tensor reports) + offload bench 8k/16k/32k
+#   benchmarks/gpu_session.sh s2 packed    # CUDA tests not reached last time, flex 4k/16k, the packed regime sweep
+#   benchmarks/gpu_session.sh s2 final     # offload 40-layer VRAM + regime sweep, notebooks 01 and 02 on the GPU
 # Everything it writes goes under $OUT (logs + one tarball of benchmarks/results and executed notebooks).
 set -uo pipefail
 stage=${1:-check}; part=${2:-A}
@@ -30,6 +34,36 @@ case "$stage" in
       SMOKE=0 timeout 300 python3 benchmarks/run_notebooks.py notebooks/0*.ipynb 2>&1 | tail -40 | tee "$OUT/notebooks.log"
       tar czf "$OUT/notebooks.tgz" notebooks/*.ipynb
     fi
+    ;;
+  s2)
+    B=benchmarks/results/h200-2026-12-02b
+    mkdir -p "$B"
+    python3 -m fastsft_lab info > "$OUT/info-$part.txt" 2>&1
+    if [ "$part" = offload ]; then
+      timeout 170 python3 -m pytest -q -m cuda tests/test_offload.py -rA -rP -p no:cacheprovider --no-header 2>&1 \
+        | tail -300 > "$OUT/offload_cuda_tests.log"
+      timeout 340 python3 -m fastsft_lab bench --full --only offload --out "$OUT/bench-offload" 2>&1 \
+        | tr '\r' '\n' | grep -v 'steps,' > "$OUT/bench_offload.log"
+    elif [ "$part" = packed ]; then
+      timeout 100 python3 -m pytest -q -m cuda tests/test_packed.py tests/test_profiling.py \
+        -k "contamination or model_packed or many_packed_shapes or sync_debug" -p no:cacheprovider --no-header -rA \
+        2>&1 | tail -60 > "$OUT/packed_cuda_tests.log"
+      timeout 140 python3 -m fastsft_lab bench --full --only packed --set packed.backends=flex \
+        --set packed.tokens=4096,16384 --out "$OUT/bench-flex" 2>&1 | tr '\r' '\n' | grep -v 'steps,' \
+        > "$OUT/bench_flex.log"
+      timeout 320 python3 -m fastsft_lab bench --full --only packed --set packed.sweep=true \
+        --set packed.mixes=short,realistic --out "$OUT/bench-sweep" 2>&1 | tr '\r' '\n' | grep -v 'steps,' \
+        > "$OUT/bench_sweep.log"
+    else
+      timeout 230 python3 -m fastsft_lab bench --full --only offload --set offload.sweep_only=true \
+        --set offload.vram_layers=40 --out "$B/bench-offload-extra" 2>&1 | tr '\r' '\n' | grep -v 'steps,' \
+        > "$OUT/bench_offload_extra.log"
+      SMOKE=0 timeout 300 python3 benchmarks/run_notebooks.py notebooks/01_packed_metadata.ipynb \
+        notebooks/02_double_buffered_offload.ipynb 2>&1 | tail -40 > "$OUT/notebooks.log"
+      tar czf "$OUT/notebooks.tgz" notebooks/01_*.ipynb notebooks/02_*.ipynb "$B/bench-offload-extra"
+    fi
+    ls -laR "$OUT" | tail -50
+    exit 0
     ;;
   recheck)
     timeout 240 python3 -m pytest -q -m cuda tests/test_offload.py -rA -rP -p no:cacheprovider --no-header 2>&1 | tail -150 > "$OUT/offload_cuda_tests.log"

@@ -523,21 +523,20 @@ def _speedups(result: dict) -> dict:
 def plot_regime(summary: list[dict], path: str, x: str = "tokens_per_step") -> str:
     """The regime map: speedup of the cached path over the naive one (forward, step) against ``x``.
 
-    One column per model, one line per (backend, length mix); the naive path is 1.0x.
+    One column per model and depth (``num_layers``), one line per (backend, length mix); the naive path is 1.0x.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = sorted({s["model"] for s in summary})
-    fig, axes = plt.subplots(2, len(models), figsize=(5.2 * len(models), 7.0), squeeze=False, sharey="row")
-    for col, model in enumerate(models):
+    columns = sorted({(s["model"], s.get("num_layers") or 0) for s in summary})
+    fig, axes = plt.subplots(2, len(columns), figsize=(5.2 * len(columns), 7.0), squeeze=False, sharey="row")
+    for col, (model, layers) in enumerate(columns):
         groups: dict[tuple, list[dict]] = {}
         for s in summary:
-            if s["model"] == model:
+            if (s["model"], s.get("num_layers") or 0) == (model, layers):
                 groups.setdefault((s["backend"], s["mix"]), []).append(s)
-        layers = next((s.get("num_layers") for s in summary if s["model"] == model), None)
         for row, phase in enumerate(("forward", "step")):
             ax = axes[row][col]
             for (backend, mix), rows in sorted(groups.items()):

@@ -790,16 +790,22 @@ def test_cuda_stock_flex_contamination_and_ours_does_not():
 @pytest.mark.cuda
 def test_cuda_flex_stays_compiled_across_many_packed_shapes():
     """More packed shapes than dynamo's default 8 kernels per function (the 16k-token H200 failure): every call
-    stays on the compiled kernel (no eager fallback, which warns and materialises T x T) and stays correct."""
+    stays on the compiled kernel (no eager fallback, which warns and materialises T x T) and stays correct.
+    Forward-only compiles keep it quick; the last shape also runs the backward."""
     scale = 64 ** -0.5
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for i, extra in enumerate(range(10)):
-            meta, q, k, v, _ = cuda_case(rows=((37, 100, 3, 116 + 64 * extra),), seed=i)
-            out = K.flex_attention_packed(q, k, v, meta.block_mask("cuda"), scale=scale)
+        for i in range(10):
+            meta, q, k, v, _ = cuda_case(rows=((37, 100, 3, 116 + 64 * i),), seed=i)
             ref, _ = cuda_reference(meta, q, k, v, None, scale, None)
-            torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
-            out.float().sum().backward()
+            if i < 9:
+                with torch.no_grad():
+                    out = K.flex_attention_packed(q, k, v, meta.block_mask("cuda"), scale=scale)
+            else:
+                out = K.flex_attention_packed(q, k, v, meta.block_mask("cuda"), scale=scale)
+                out.float().sum().backward()
+                assert q.grad is not None and torch.isfinite(q.grad).all()
+            torch.testing.assert_close(out.float(), ref.detach(), rtol=2e-2, atol=2e-2)
     assert not [w for w in caught if "without torch.compile" in str(w.message)]
 
 
