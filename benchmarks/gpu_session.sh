@@ -31,7 +31,7 @@ case "$stage" in
       timeout 190 python3 -m fastsft_lab bench --full --only moe --out "$R/bench" 2>&1 | grep -v '^\s*$' | tee "$OUT/bench_moe.log" | tail -60
     else
       timeout 250 python3 -m fastsft_lab bench --full --only offload --out "$R/bench" 2>&1 | tee "$OUT/bench_offload.log" | tail -60
-      SMOKE=0 timeout 280 python3 benchmarks/run_notebooks.py notebooks/0*.ipynb 2>&1 | tail -40 | tee "$OUT/notebooks.log"
+      SMOKE=0 timeout 240 python3 benchmarks/run_notebooks.py notebooks/0*.ipynb 2>&1 | tail -40 | tee "$OUT/notebooks.log"
       tar czf "$OUT/notebooks.tgz" notebooks/*.ipynb
     fi
     ;;
@@ -55,11 +55,14 @@ case "$stage" in
         --set packed.mixes=short,realistic --out "$OUT/bench-sweep" 2>&1 | tr '\r' '\n' | grep -v 'steps,' \
         > "$OUT/bench_sweep.log"
     else
-      timeout 280 python3 -m fastsft_lab bench --full --only offload --set offload.tokens=16384 \
+      timeout 45 python3 -m pytest -q -m cuda tests/test_packed.py -k "model_packed and gpt-oss-flex" -p no:logging \
+        -p no:cacheprovider --no-header --tb=long 2>&1 | grep -v DEBUG | tail -120 > "$OUT/gpt_oss_flex_test.log"
+      timeout 75 python3 benchmarks/flex_probe.py 4096 16384 > "$OUT/flex_probe.log" 2>&1
+      timeout 250 python3 -m fastsft_lab bench --full --only offload --set offload.tokens=16384 \
         --set offload.variants=standard,offload1,offload2,offload2p --set offload.sweep=true \
         --set offload.vram_layers=40 --out "$B/bench-offload-extra" 2>&1 | tr '\r' '\n' | grep -v 'steps,' \
         > "$OUT/bench_offload_extra.log"
-      SMOKE=0 timeout 280 python3 benchmarks/run_notebooks.py notebooks/01_packed_metadata.ipynb \
+      SMOKE=0 timeout 240 python3 benchmarks/run_notebooks.py notebooks/01_packed_metadata.ipynb \
         notebooks/02_double_buffered_offload.ipynb 2>&1 | tail -40 > "$OUT/notebooks.log"
       tar czf "$OUT/notebooks.tgz" notebooks/01_*.ipynb notebooks/02_*.ipynb "$B/bench-offload-extra"
     fi
