@@ -30,8 +30,11 @@ case "$stage" in
       timeout 290 python3 -m fastsft_lab bench --full --only packed --out "$R/bench" 2>&1 | grep -v '^\s*$' | tee "$OUT/bench_packed.log" | tail -60
       timeout 190 python3 -m fastsft_lab bench --full --only moe --out "$R/bench" 2>&1 | grep -v '^\s*$' | tee "$OUT/bench_moe.log" | tail -60
     else
-      timeout 250 python3 -m fastsft_lab bench --full --only offload --out "$R/bench" 2>&1 | tee "$OUT/bench_offload.log" | tail -60
-      SMOKE=0 timeout 240 python3 benchmarks/run_notebooks.py notebooks/0*.ipynb 2>&1 | tail -40 | tee "$OUT/notebooks.log"
+      timeout 190 python3 -m fastsft_lab bench --full --only offload --set offload.sweep_only=true \
+        --set offload.vram_layers=40 --out "$B/bench-offload-extra" 2>&1 | tr '\r' '\n' | grep -v 'steps,' \
+        > "$OUT/bench_offload_extra.log"
+      SMOKE=0 timeout 190 python3 benchmarks/run_notebooks.py notebooks/02_double_buffered_offload.ipynb \
+        notebooks/01_packed_metadata.ipynb 2>&1 | tail -40 > "$OUT/notebooks.log"
       tar czf "$OUT/notebooks.tgz" notebooks/*.ipynb
     fi
     ;;
