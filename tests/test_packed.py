@@ -818,9 +818,8 @@ def test_flex_recompile_limit_is_a_clear_error_not_a_silent_fallback(monkeypatch
     compiled = K._compiled_flex()
     torch._dynamo.reset()
     monkeypatch.setattr(M, "FLEX_RECOMPILE_LIMIT", 1)
-    monkeypatch.setattr(dynamo_config, "recompile_limit", 1)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), dynamo_config.patch(recompile_limit=1):
             for i, t in enumerate((128, 256)):
                 meta = PackedMetadata.from_lengths([[t // 2, t // 2]])
                 q = torch.randn(1, 2, t, 16)
@@ -831,3 +830,19 @@ def test_flex_recompile_limit_is_a_clear_error_not_a_silent_fallback(monkeypatch
                         K._call_flex(compiled, q, q, q, block_mask=meta.block_mask("cpu"))
     finally:
         torch._dynamo.reset()
+
+
+def test_flex_block_mask_is_padded_to_whole_blocks_and_checked():
+    """Compiled flex cannot lower rows that are not whole 128-token blocks (T = 37 failed on the H200): the
+    BlockMask covers a multiple of 128 with the tail as its own segment; a mask for other rows is refused."""
+    meta = PackedMetadata.from_lengths([[30, 7]])
+    bm = meta.block_mask("cpu")
+    assert tuple(bm.seq_lengths) == (128, 128)
+    q, k, v, _ = random_qkv(1, 37, grad=False)
+    got = K.flex_attention_packed(q, k, v, bm, scale=0.3)
+    assert got.shape == (1, 37, 4, 8)
+    ref = per_sequence_reference(q, k, v, meta.seq_lengths, 0.3, None, None)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    q2, k2, v2, _ = random_qkv(1, 200, grad=False)
+    with pytest.raises(ValueError, match="covers 128 tokens, the rows have 200"):
+        K.flex_attention_packed(q2, k2, v2, bm, scale=0.3)

@@ -238,6 +238,12 @@ def _call_flex(fn, *args, **kwargs):
                 f"compiled flex attention hit {limit} recompilations (one per packed shape, window and "
                 "grad mode): pack to a few fixed row shapes (the packer pads every row to max_tokens), or use the varlen "
                 "backend, whose kernels take any shape") from e
+        except dynamo_exc.Unsupported as e:
+            q = args[0]
+            raise RuntimeError(
+                f"torch {torch.__version__} could not compile flex attention for q of shape {tuple(q.shape)} "
+                f"({str(e).splitlines()[0][:160]}). Seen on the H200 with torch 2.11 at 16k tokens in one row, for "
+                "transformers' own flex path as well. Use the varlen backend (or sdpa) for this shape") from e
     return fn(*args, **kwargs)
 
 
@@ -270,14 +276,21 @@ def flex_attention_packed(q, k, v, block_mask, *, scale: float, sinks: torch.Ten
 
     fn = _compiled_flex() if q.device.type == "cuda" else flex_attention
     enable_gqa = q.shape[1] != k.shape[1]
+    t = q.shape[2]
+    padded = block_mask.seq_lengths[0]       # a multiple of 128 (see metadata.FLEX_BLOCK); the tail is its own segment
+    if padded < t:
+        raise ValueError(f"flex BlockMask covers {padded} tokens, the rows have {t}: built for another batch")
+    if padded != t:
+        q, k, v = (F.pad(x, (0, 0, 0, padded - t)) for x in (q, k, v))
     if sinks is None:
         with _outside_sync_counter():
             out = _call_flex(fn, q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
-        return out.transpose(1, 2)
+        return out[:, :, :t].transpose(1, 2)
     name, value = _flex_lse_kwargs()
     with _outside_sync_counter():
         out, aux = _call_flex(fn, q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, **{name: value})
     lse = aux if isinstance(aux, torch.Tensor) else aux.lse                # (B, H, T), natural log
+    out, lse = out[:, :, :t], lse[..., :t]
     factor = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))
     return (out.float() * factor[..., None]).to(q.dtype).transpose(1, 2)
 

@@ -341,6 +341,7 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype, sink: bool) -> torch.Te
 
 
 FLEX_RECOMPILE_LIMIT = 64
+FLEX_BLOCK = 128          # flex attention's default block size: BlockMasks are built for a multiple of it
 
 
 def compile_headroom():
@@ -374,6 +375,13 @@ def _block_mask_from_ids(ids: torch.Tensor, window: int | None, device: torch.de
     from torch.nn.attention.flex_attention import create_block_mask
 
     rows, t = ids.shape
+    padded = _round_up(t, FLEX_BLOCK)
+    if padded != t:
+        # Compiled flex (torch 2.11, H200) fails to lower for lengths that are not a multiple of its 128-token block
+        # (T = 37: "NoValidChoicesError"). The kernel pads q/k/v to this length; the padding is its own segment (id -1,
+        # never equal to a real segment's id), so no real token sees it, and the output is cut back to T.
+        ids = torch.cat([ids, ids.new_full((rows, padded - t), -1)], dim=1)
+        t = padded
     # On CUDA the mask creation is compiled (as transformers does): otherwise it materialises T x T on the side.
     if device.type != "cuda":
         return create_block_mask(_mask_mod(ids, window), rows, None, t, t, device=device)
