@@ -1,7 +1,9 @@
 """Turn a folder of benchmark JSONs into one Markdown report (every figure with its conditions).
 
 Usage: python benchmarks/summarize.py benchmarks/results/h200-2026-12-02/bench > benchmarks/results/h200-2026-12-02/RESULTS.md
-Reads the JSON files `python -m fastsft_lab bench` writes; nothing is typed in by hand.
+Reads the JSON files `python -m fastsft_lab bench` writes (the folder and its subfolders; the CLI's own
+summary.json files are skipped); nothing is typed in by hand. Regime maps (packed_regime.json) and the offload
+sweep (offload-sweep.json) are printed as tables after the per-configuration results.
 """
 from __future__ import annotations
 
@@ -44,13 +46,21 @@ def table(result: dict) -> list[str]:
 
 
 def main(folder: str) -> None:
-    files = sorted(glob.glob(os.path.join(folder, "*.json")))
-    results = []
+    files = sorted(f for f in glob.glob(os.path.join(folder, "**", "*.json"), recursive=True)
+                   if os.path.basename(f) != "summary.json")
+    results, regimes, sweeps = [], [], []
     for f in files:
         with open(f) as fh:
             doc = json.load(fh)
-        if isinstance(doc, dict) and "variants" in doc and "env" in doc:
-            results.append((os.path.basename(f), doc))
+        if not isinstance(doc, dict):
+            continue
+        name = os.path.relpath(f, folder)
+        if doc.get("scenario") == "packed_metadata_regime":
+            regimes.append((name, doc))
+        elif "points" in doc and doc.get("scenario") == "offload_sweep":
+            sweeps.append((name, doc))
+        elif "variants" in doc and "env" in doc:
+            results.append((name, doc))
     if not results:
         raise SystemExit(f"no result JSON under {folder}")
     env = results[0][1]["env"]
@@ -87,6 +97,26 @@ def main(folder: str) -> None:
         extra = {k: v for k, v in doc.items() if k in ("derived", "speedups", "routing", "bandwidth")}
         if extra:
             print("\nDerived: `" + json.dumps(extra, default=str)[:1500] + "`")
+        print()
+    for name, doc in regimes:
+        print(f"## Regime map: `{name}`\n")
+        print("Cached path against the naive one (median step and forward time ratios) and cached against the oracle "
+              "(metadata prebuilt outside the timed region; 1.00 = at the limit).\n")
+        print("| model | layers | mix | tokens/step | backend | forward naive/cached | step naive/cached | "
+              "cached/oracle step |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in sorted(doc["summary"], key=lambda r: (r["model"], r["mix"], r["tokens_per_step"], r["backend"])):
+            f = lambda k: f"{r[k]:.3f}" if isinstance(r.get(k), (int, float)) else "-"  # noqa: E731
+            print(f"| {r['model']} | {r.get('num_layers')} | {r['mix']} | {r['tokens_per_step']} | {r['backend']} | "
+                  f"{f('cached_forward_speedup')} | {f('cached_step_speedup')} | {f('cached_vs_oracle_step')} |")
+        print()
+    for name, doc in sweeps:
+        print(f"## Offload regime sweep: `{name}`\n")
+        keys = [k for k in doc["points"][0] if k != "preset"] if doc["points"] else []
+        print("| preset | " + " | ".join(keys) + " |")
+        print("|---|" + "---|" * len(keys))
+        for p in doc["points"]:
+            print(f"| {p['preset']} | " + " | ".join(str(p.get(k)) for k in keys) + " |")
         print()
 
 
