@@ -740,7 +740,7 @@ def test_cuda_metadata_one_async_copy_no_sync():
     assert t.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 0, 1], [0, 1, 2, 3, 0, 1, 2, 3, 4, 5]]
 
 
-CUDA_MODEL_CASES = [(p, b) for p in PRESETS for b in ("sdpa", "varlen")] + [("tiny-gpt-oss", "flex")]
+CUDA_MODEL_CASES = [(p, b) for p in PRESETS for b in ("sdpa", "varlen", "flex")]
 
 
 @pytest.mark.cuda
