@@ -349,10 +349,11 @@ def compile_headroom():
 
     ``torch.compile`` keeps at most ``recompile_limit`` (8) kernels per function, and every caller of
     ``flex_attention`` shares them (transformers' own flex path too). A benchmark sweep or a training run whose packed
-    shape changes (rows x tokens, window, sinks, grad mode) passes 8 quickly; dynamo then runs flex *eagerly*: it
-    materialises every head's T x T scores and, in torch 2.11, fails inside checkpoint recompute with
-    ``Unsupported: _safe_softmax`` (seen on the H200 at 16k tokens). Within this context the limit is raised for
-    the flex call only, and hitting it raises ``FailOnRecompileLimitHit`` rather than degrading silently.
+    shape changes (rows x tokens, window, sinks, grad mode) passes 8 quickly; dynamo then silently runs flex
+    *eagerly*, which materialises every head's T x T scores (shown on a CPU: the 9th shape falls back with only a
+    warning). Within this context the limit is raised for the flex call only, and hitting it raises
+    ``FailOnRecompileLimitHit`` rather than degrading silently. (It was suspected, but is not, the cause of the
+    16k-token flex failure on the H200: see benchmarks/results/h200-2026-12-02b/README.md.)
     """
     import torch._dynamo.config as dynamo_config
 
