@@ -21,14 +21,7 @@ kernels: metadata rebuilt in every layer, device→host reads that stall the lau
 overlap compute, and Python loops over experts. This notebook measures the unoptimized path so that the next ones
 have a baseline.
 '''),
-("code", r'''
-# Colab: install the library (elsewhere: `make setup` or `pip install -e .` from a clone)
-import sys
-if "google.colab" in sys.modules:
-    import subprocess
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                    "git+https://github.com/fastsft-lab/fastsft_lab"], check=True)
-'''),
+("colab", ""),                # the shared Colab install cell (build.py)
 ("code", r'''
 import time
 import torch

@@ -31,14 +31,7 @@ compute  | bwd L9 |        | bwd L8 |        | bwd L7 |
 copy     |        | h2d L8 |        | h2d L7 |            <- every reload is exposed
 ```
 '''),
-("code", r'''
-# Colab: install the library (elsewhere: `make setup` or `pip install -e .` from a clone)
-import sys
-if "google.colab" in sys.modules:
-    import subprocess
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                    "git+https://github.com/fastsft-lab/fastsft_lab"], check=True)
-'''),
+("colab", ""),                # the shared Colab install cell (build.py)
 ("code", r'''
 import time
 import torch

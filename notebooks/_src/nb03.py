@@ -25,14 +25,7 @@ GPU has finished everything queued, the queue drains, and the GPU idles while Py
 Measured on an H200 (transformers 5.17, 4×2048 tokens, no-grad forward of all 24 layers): over 5,000 host syncs,
 1040 ms; transformers' own `grouped_mm` experts: 14 syncs, 741 ms.
 '''),
-("code", r'''
-# Colab: install the library (elsewhere: `make setup` or `pip install -e .` from a clone)
-import sys
-if "google.colab" in sys.modules:
-    import subprocess
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                    "git+https://github.com/fastsft-lab/fastsft_lab"], check=True)
-'''),
+("colab", ""),                # the shared Colab install cell (build.py)
 ("code", r'''
 import time
 import warnings
