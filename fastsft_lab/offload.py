@@ -1272,6 +1272,11 @@ def vram_saved_estimate(num_layers: int, tokens: int, hidden: int, dtype_bytes: 
             "offload2_staging_bytes": staging, "net_saved_bytes": num_layers * per_layer - staging}
 
 
+def _gain(slow: float | None, fast: float | None) -> float | None:
+    """``slow / fast - 1`` (how much faster ``fast`` is), rounded; None when either time is missing."""
+    return round(slow / fast - 1, 4) if slow and fast else None
+
+
 def _derived(rows: list[dict], device: torch.device | None = None) -> dict:
     by = {r["name"]: r for r in rows}
 
@@ -1286,13 +1291,10 @@ def _derived(rows: list[dict], device: torch.device | None = None) -> dict:
     std, x1, x2p = step("checkpointing (standard)"), step("offload x1 (single buffer)"), step("offload x2 + prefetch")
     x2, soc = step("offload x2 (double buffer)"), step("save_on_cpu(step) + ckpt")
     hf = step("transformers offload=True")
-    d: dict[str, Any] = {}
-    if x1 and x2p:
-        d["double_prefetch_vs_single_gain"] = round(x1 / x2p - 1, 4)
-    if x1 and x2:
-        d["double_vs_single_gain"] = round(x1 / x2 - 1, 4)
+    d: dict[str, Any] = {k: v for k, v in (("double_prefetch_vs_single_gain", _gain(x1, x2p)),
+                                           ("double_vs_single_gain", _gain(x1, x2)),
+                                           ("offload2p_vs_standard_overhead", _gain(x2p, std))) if v is not None}
     if std and x2p:
-        d["offload2p_vs_standard_overhead"] = round(x2p / std - 1, 4)
         d["target_within_3pct_of_standard"] = x2p <= std * 1.03
     if soc and x2p:
         d["offload2p_speedup_vs_save_on_cpu_step"] = round(soc / x2p, 3)
@@ -1473,12 +1475,10 @@ def _run_sweep(device, *, cfg: dict, out_dir: str, steps: int, warmup: int, prog
                 return by.get(n, {}).get("step_ms", {}).get("median")
             x1, x1s, x2p, std = (ms("offload x1 (single buffer)"), ms("offload x1, serial fwd copies"),
                                  ms("offload x2 + prefetch"), ms("checkpointing (standard)"))
-            if x1 and x2p:
-                point["gain_x2p_vs_x1"] = round(x1 / x2p - 1, 4)
-            if x1s and x2p:
-                point["gain_x2p_vs_x1_serial"] = round(x1s / x2p - 1, 4)
-            if std and x2p:
-                point["x2p_vs_standard"] = round(x2p / std - 1, 4)
+            for key, value in (("gain_x2p_vs_x1", _gain(x1, x2p)), ("gain_x2p_vs_x1_serial", _gain(x1s, x2p)),
+                               ("x2p_vs_standard", _gain(x2p, std))):
+                if value is not None:
+                    point[key] = value
             points.append(point)
         del model
         if device.type == "cuda":
