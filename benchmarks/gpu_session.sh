@@ -80,12 +80,15 @@ case "$stage" in
     ;;
   s3)
     python3 -m fastsft_lab info > "$OUT/info-s3.txt" 2>&1
+    nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
     timeout 150 python3 -m pytest -q -m cuda tests/test_packed.py -k "flex" -p no:logging -p no:cacheprovider \
       --no-header -rA --tb=short 2>&1 | grep -v DEBUG | tail -80 > "$OUT/flex_cuda_tests.log"
     timeout 60 python3 benchmarks/flex_probe.py --checkpoint-first 16384 > "$OUT/flex_probe_ckpt_first.log" 2>&1
-    timeout 120 python3 -m fastsft_lab bench --full --only packed --set packed.backends=flex --set packed.tokens=16384 \
+    # 16k flex in a fresh process (no 4k compile before it, no stock path), whole tracebacks and graph breaks
+    FASTSFT_TRACEBACK=1 TORCH_LOGS=graph_breaks,recompiles timeout 110 python3 -m fastsft_lab bench --full \
+      --only packed --set packed.backends=flex --set packed.tokens=16384 --set packed.stock=false \
       --out "$OUT/bench-flex16k" 2>&1 | tr '\r' '\n' | grep -v 'steps,' > "$OUT/bench_flex16k.log"
-    timeout 200 python3 -m fastsft_lab bench --full --only packed --set packed.tokens=8192 \
+    FASTSFT_TRACEBACK=1 timeout 200 python3 -m fastsft_lab bench --full --only packed --set packed.tokens=8192 \
       --out "$OUT/bench-8k" 2>&1 | tr '\r' '\n' | grep -v 'steps,' > "$OUT/bench_8k.log"
     (cd "$OUT" && tar czf /tmp/s3.tgz . && find . -mindepth 1 -delete && mv /tmp/s3.tgz .)
     exit 0

@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -155,6 +156,8 @@ def run_variants(
                 kind = "out of memory" if isinstance(e, torch.cuda.OutOfMemoryError) else type(e).__name__
                 failures[v.name] = f"{kind}: {(str(e).splitlines() or [''])[0][:300]}"
                 print(f"\n  [{label}] variant {v.name!r} failed at step {s}: {failures[v.name]}", file=sys.stderr)
+                if os.environ.get("FASTSFT_TRACEBACK"):  # diagnostics: the whole chain, not its first line
+                    traceback.print_exc(file=sys.stderr)
                 timer._events.clear()
                 optimizer.zero_grad(set_to_none=True) if optimizer else None
                 gc.collect()
