@@ -102,6 +102,19 @@ case "$stage" in
     (cd "$OUT" && tar czf /tmp/s4.tgz . && find . -mindepth 1 -delete && mv /tmp/s4.tgz .)
     exit 0
     ;;
+  s5)
+    # after s4: BlockMasks built from host lengths (no create_block_mask compile), the MoE-aware GPT-OSS test and
+    # float32 packed == alone; flex 16k alone (probe), then flex 4k -> 16k in one process (session 2's failing order)
+    python3 -m fastsft_lab info > "$OUT/info-s5.txt" 2>&1
+    timeout 130 python3 -m pytest -q -m cuda tests/test_packed.py -k "flex or float32" -p no:logging \
+      -p no:cacheprovider --no-header -rA --tb=short 2>&1 | grep -v DEBUG | tail -60 > "$OUT/flex_cuda_tests.log"
+    timeout 45 python3 benchmarks/flex_probe.py 16384 > "$OUT/flex_probe_16k.log" 2>&1
+    FASTSFT_TRACEBACK=1 timeout -s INT 300 python3 -m fastsft_lab bench --full --only packed \
+      --set packed.backends=flex --set packed.tokens=4096,16384 --out "$OUT/bench-flex" 2>&1 | tr '\r' '\n' \
+      | grep -v 'steps,' > "$OUT/bench_flex.log"
+    (cd "$OUT" && tar czf /tmp/s5.tgz . && find . -mindepth 1 -delete && mv /tmp/s5.tgz .)
+    exit 0
+    ;;
   recheck)
     timeout 240 python3 -m pytest -q -m cuda tests/test_offload.py -rA -rP -p no:cacheprovider --no-header 2>&1 | tail -150 > "$OUT/offload_cuda_tests.log"
     timeout 120 python3 -m pytest -q -m cuda tests/test_profiling.py tests/test_packed.py -k "contamination or model_packed or sync_debug" -p no:cacheprovider --no-header -rfE 2>&1 | tail -40 > "$OUT/other_cuda_tests.log"

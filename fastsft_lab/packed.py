@@ -397,6 +397,58 @@ def packed_vs_alone(model: nn.Module, batch: PackedBatch, inputs: dict | None = 
     return worst
 
 
+def _expert_choices(model: nn.Module, call: Callable[[], Any]) -> list[torch.Tensor]:
+    """Per MoE layer, the experts each token was routed to (sorted, one row per token) during ``call()``."""
+    from .moe import experts_modules
+
+    got: list[torch.Tensor] = []
+
+    def hook(module, args, kwargs):
+        idx = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and not a.is_floating_point()]
+        if idx:
+            got.append(idx[0].reshape(-1, idx[0].shape[-1]).sort(-1).values)
+
+    hooks = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in experts_modules(model)]
+    try:
+        with torch.no_grad():
+            call()
+    finally:
+        for h in hooks:
+            h.remove()
+    return got
+
+
+def packed_vs_alone_moe(model: nn.Module, batch: PackedBatch) -> tuple[float, int, int]:
+    """``packed_vs_alone`` for a mixture-of-experts model: ``(max |logit diff|, rerouted tokens, tokens)``.
+
+    Top-k routing is discontinuous: when two experts' router scores nearly tie, the rounding difference between a
+    packed and an unpacked bf16 run (another kernel, another summation order) can send a token to another expert,
+    and its logits then differ by far more than rounding. Measured on the H200: tiny GPT-OSS, bf16, flex attention,
+    1 of 216 tokens rerouted, its logits 0.071 apart while every attention layer's output stayed within 0.002 of a
+    float32 reference (``benchmarks/flex_diag.py``). So the difference is taken over the tokens routed to the same
+    experts in every layer of both runs, and the rerouted ones are counted for the caller to bound.
+    """
+    from .data import unpack
+
+    inputs = {k: v for k, v in packed_inputs(batch).items() if k != "labels"}
+    out: dict[str, torch.Tensor] = {}
+    packed_routes = _expert_choices(model, lambda: out.setdefault("packed", model(**inputs).logits))
+    rows = batch.input_ids.shape[0]
+    worst, rerouted, total = 0.0, 0, 0
+    for s in unpack(batch):
+        alone_routes = _expert_choices(model, lambda: out.__setitem__("alone", model(input_ids=s.input_ids).logits))
+        same = torch.ones(s.length, dtype=torch.bool, device=batch.input_ids.device)
+        for p, a in zip(packed_routes, alone_routes, strict=True):
+            p = p.view(rows, -1, p.shape[-1])[s.row, s.start:s.start + s.length]
+            same &= (p == a.view(-1, a.shape[-1])).all(-1)
+        diff = (out["packed"][s.row, s.start:s.start + s.length].float() - out["alone"][0].float()).abs().amax(-1)
+        kept = diff[same]
+        worst = max(worst, kept.max().item() if kept.numel() else 0.0)
+        rerouted += int((~same).sum())
+        total += s.length
+    return worst, rerouted, total
+
+
 def cross_contamination(model: nn.Module, batch: PackedBatch, *, attention_mask_ones: bool = False) -> float:
     """The stock-transformers pitfall: feed packed ``position_ids`` and no mask (or an all-ones 2-D mask, as a
     padding collator gives) to the model as it is, and return max |packed - alone| logits. Zero: no leak."""
@@ -685,6 +737,6 @@ def _write_regime(summary: list[dict], results: list[dict], out_dir: str) -> Non
 __all__ = [
     "PackedMetadata", "PackedCollator", "BackendStatus", "BACKENDS", "ATTN_NAMES", "available_backends",
     "attn_implementation_name", "enable_packed_attention", "disable_packed_attention", "set_packed_metadata_cache",
-    "packed_attention_state", "register_packed_backends", "packed_inputs", "packed_vs_alone", "cross_contamination",
+    "packed_attention_state", "register_packed_backends", "packed_inputs", "packed_vs_alone", "packed_vs_alone_moe", "cross_contamination",
     "packed_variants", "naive_variants", "plot_regime", "bench_scenario", "NAIVE_BUILDS",
 ]

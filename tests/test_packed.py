@@ -29,6 +29,7 @@ from fastsft_lab.packed import (
     packed_attention_state,
     packed_inputs,
     packed_vs_alone,
+    packed_vs_alone_moe,
     set_packed_metadata_cache,
 )
 from fastsft_lab.profiling import SyncCounter
@@ -754,7 +755,14 @@ def test_cuda_model_packed_equals_alone_and_naive_equals_cached(preset, backend)
         scale = max(model(input_ids=s.input_ids).logits.abs().max().item() for s in unpack(batch))
     enable_packed_attention(model, backend)
     try:
-        assert packed_vs_alone(model, batch) < 3e-2 * scale + 3e-2
+        if preset == "tiny-gpt-oss":
+            # bf16 rounding may reroute a near-tie token to another expert (1 of 216 with flex on the H200):
+            # compare the tokens routed alike, and bound the rerouted ones (the float32 test below allows none)
+            diff, rerouted, total = packed_vs_alone_moe(model, batch)
+            assert rerouted <= max(2, total // 50), f"{rerouted} of {total} tokens routed to other experts"
+            assert diff < 3e-2 * scale + 3e-2
+        else:
+            assert packed_vs_alone(model, batch) < 3e-2 * scale + 3e-2
         model.train()
         cached = lora_grads(model, [packed_inputs(batch)])
         set_packed_metadata_cache(model, False)
@@ -769,6 +777,22 @@ def test_cuda_model_packed_equals_alone_and_naive_equals_cached(preset, backend)
         assert c.in_modules == 0, dict(c.by_kind)
     finally:
         disable_packed_attention(model)
+
+
+FP32_CASES = [(p, b) for p in PRESETS for b in ("sdpa", "flex")]     # torch's varlen (flash) kernel is half-only
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("preset, backend", FP32_CASES, ids=[f"{p}-{b}" for p, b in FP32_CASES])
+def test_cuda_model_packed_equals_alone_float32(preset, backend):
+    """In float32 no token is rerouted and packed equals alone to rounding, MoE or not."""
+    model = build_model(preset, device="cuda", dtype=torch.float32, lora=LoraSettings(rank=4), seed=0)
+    model.eval()
+    batch = make_batch().to("cuda")
+    enable_packed_attention(model, backend)
+    diff, rerouted, total = packed_vs_alone_moe(model, batch)
+    assert rerouted == 0 and total == sum(s.length for s in unpack(batch))
+    assert diff < 1e-4, diff
 
 
 @pytest.mark.cuda
@@ -846,3 +870,71 @@ def test_flex_block_mask_is_padded_to_whole_blocks_and_checked():
     q2, k2, v2, _ = random_qkv(1, 200, grad=False)
     with pytest.raises(ValueError, match="covers 128 tokens, the rows have 200"):
         K.flex_attention_packed(q2, k2, v2, bm, scale=0.3)
+
+
+def _dense_tiles(num: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Ordered flex tables (rows, 1, nb[, nb]) -> the set of tiles as a dense bool (rows, nb, nb)."""
+    rows, _, nb, width = idx.shape
+    dense = torch.zeros(rows, nb, nb, dtype=torch.bool)
+    for r in range(rows):
+        for i in range(nb):
+            dense[r, i, idx[r, 0, i, :num[r, 0, i]].long()] = True
+    return dense
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.lists(st.lists(st.integers(1, 150), min_size=1, max_size=12), min_size=1, max_size=3),
+       window=st.sampled_from([None, 1, 5, 64, 128, 129, 300]))
+def test_host_block_tables_equal_create_block_mask(rows, window):
+    """The host-built tiles (no mask_mod over T x T, no compile, no device read) are exactly create_block_mask's:
+    the same partial tiles, the same full tiles, for random packed rows (padding tails, rows that are not whole
+    blocks, windows smaller and larger than a block)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from fastsft_lab.attention.metadata import _mask_mod, _round_up, host_block_tables
+
+    t = max(sum(r) for r in rows)
+    rows = [r + [t - sum(r)] if sum(r) < t else r for r in rows]          # a padding tail as its own segment
+    meta = PackedMetadata.from_lengths(rows)
+    w = None if window is None or window >= t else window
+    pn, pi, fn, fi = host_block_tables(meta.seq_lengths, t, w)
+    tp = _round_up(t, 128)
+    ids = meta.tensors("cpu").seq_ids.view(meta.shape)
+    ids = torch.cat([ids, ids.new_full((len(rows), tp - t), -1)], dim=1)
+    ref = create_block_mask(_mask_mod(ids, w), len(rows), None, tp, tp, device="cpu")
+    assert torch.equal(_dense_tiles(pn, pi), _dense_tiles(ref.kv_num_blocks, ref.kv_indices))
+    assert torch.equal(_dense_tiles(fn, fi), _dense_tiles(ref.full_kv_num_blocks, ref.full_kv_indices))
+    # and the BlockMask the metadata hands to flex carries them, with its backward (q-side) tables
+    bm = meta.block_mask("cpu", window)
+    assert torch.equal(_dense_tiles(bm.kv_num_blocks, bm.kv_indices), _dense_tiles(pn, pi))
+    assert torch.equal(_dense_tiles(bm.full_q_num_blocks, bm.full_q_indices),
+                       _dense_tiles(ref.full_q_num_blocks, ref.full_q_indices))
+    assert torch.equal(_dense_tiles(bm.q_num_blocks, bm.q_indices), _dense_tiles(ref.q_num_blocks, ref.q_indices))
+
+
+def test_host_block_mask_builds_without_touching_the_device_or_mask_mod(monkeypatch):
+    """The cached path's BlockMask is made from host lengths: create_block_mask (T x T mask_mod evaluation, compiled
+    on CUDA) is never called, and no sync happens."""
+    import torch.nn.attention.flex_attention as fa
+
+    monkeypatch.setattr(fa, "create_block_mask", lambda *a, **k: pytest.fail("create_block_mask was called"))
+    meta = PackedMetadata.from_lengths([[300, 1, 211], [512]])
+    with SyncCounter() as c:
+        bm = meta.block_mask("cpu", 64)
+    assert c.total == 0
+    assert tuple(bm.seq_lengths) == (512, 512) and bm.kv_num_blocks.shape == (2, 1, 4)
+
+
+def test_packed_vs_alone_moe_sees_every_layers_routing():
+    """The MoE comparison captures each token's experts in every MoE layer, and on a float32 CPU run nothing is
+    rerouted and packed equals alone."""
+    from fastsft_lab.packed import _expert_choices
+
+    model = make_model("tiny-gpt-oss").eval()
+    batch = make_batch()
+    enable_packed_attention(model, "sdpa")
+    routes = _expert_choices(model, lambda: model(**{k: v for k, v in packed_inputs(batch).items() if k != "labels"}))
+    assert len(routes) == model.config.num_hidden_layers
+    assert all(r.shape == (batch.input_ids.numel(), model.config.num_experts_per_tok) for r in routes)
+    diff, rerouted, total = packed_vs_alone_moe(model, batch)
+    assert rerouted == 0 and total == sum(s.length for s in unpack(batch)) and diff < 1e-5

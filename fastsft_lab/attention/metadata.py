@@ -273,12 +273,40 @@ class PackedMetadata:
         return self._cached(key, lambda: _additive(self.allowed(device, window), dtype, sink))
 
     def block_mask(self, device, window: int | None = None):
-        """A flex-attention ``BlockMask`` for the packed rows (compiled mask creation on CUDA)."""
+        """A flex-attention ``BlockMask`` for the packed rows, its block structure computed on the host.
+
+        Which 128 x 128 tiles are empty, partial or full follows from the host-side lengths alone (see
+        :func:`host_block_tables`), so nothing here runs ``mask_mod`` over T x T positions, compiles anything, or
+        reads from the device: one pinned, non-blocking copy of the tables, then ``BlockMask.from_kv_blocks``
+        derives the transposed (backward) tables on the device. ``create_block_mask`` -- what transformers and
+        the naive path run -- compiles a T x T reduction for every new shape (measured on the H200, torch 2.11:
+        about 160 s of Triton compilation for the first 16k-token row).
+        """
         window = _norm_window(window, self.row_tokens)
         device = _norm_device(device)
         key = ("block_mask", device, window)
-        return self._cached(key, lambda: _block_mask_from_ids(self.tensors(device).seq_ids.view(self.shape),
-                                                               window, device))
+        return self._cached(key, lambda: self._build_block_mask(device, window))
+
+    def _build_block_mask(self, device: torch.device, window: int | None):
+        from torch.nn.attention.flex_attention import BlockMask
+
+        rows, t = self.shape
+        padded = _round_up(t, FLEX_BLOCK)
+        nb = padded // FLEX_BLOCK
+        partial_num, partial_idx, full_num, full_idx = host_block_tables(self.seq_lengths, t, window)
+        flat = torch.cat([x.reshape(-1) for x in (partial_num, partial_idx, full_num, full_idx)])
+        if device.type == "cuda":
+            flat = flat.pin_memory()
+        flat = flat.to(device, non_blocking=True)
+        sizes = [rows * nb, rows * nb * nb, rows * nb, rows * nb * nb]
+        pn, pi, fn, fi = torch.split(flat, sizes)
+        ids = self.tensors(device).seq_ids.view(self.shape)
+        if padded != t:
+            # padded to whole blocks as in _block_mask_from_ids (the padding is its own segment, id -1)
+            ids = torch.cat([ids, ids.new_full((rows, padded - t), -1)], dim=1)
+        return BlockMask.from_kv_blocks(pn.view(rows, 1, nb), pi.view(rows, 1, nb, nb), fn.view(rows, 1, nb),
+                                        fi.view(rows, 1, nb, nb), BLOCK_SIZE=FLEX_BLOCK,
+                                        mask_mod=_mask_mod(ids, window), seq_lengths=(padded, padded))
 
     def xformers_bias(self, device, window: int | None = None):
         """An xFormers ``BlockDiagonalCausalMask`` over all segments (rows concatenated), local if windowed."""
@@ -372,6 +400,51 @@ def _mask_mod(ids: torch.Tensor, window: int | None):
     return mask_mod
 
 
+def host_block_tables(seq_lengths: Sequence[Sequence[int]], row_tokens: int, window: int | None,
+                      block: int = FLEX_BLOCK) -> tuple[torch.Tensor, ...]:
+    """Partial and full tile tables of a packed causal (optionally sliding-window) mask, from host lengths.
+
+    Query q may see key k iff both are in the same segment and ``lo(q) <= k <= q``, where ``lo(q)`` is the later of
+    q's segment start and ``q - window + 1``. ``lo`` never decreases along a row, so for the tile of query block i
+    and key block j (first/last query ``q0``/``q1``, first/last key ``k0``/``k1``):
+
+    * some key is visible iff ``j <= i`` and ``lo(q0) <= k1`` (q0 is the query with the smallest ``lo``),
+    * every key is visible to every query iff ``j < i`` and ``lo(q1) <= k0``.
+
+    Rows are padded to a multiple of ``block``; the padding is one more segment. Returns ``(partial_num,
+    partial_idx, full_num, full_idx)`` in flex's ordered layout (rows, 1, nb[, nb]) as int32 CPU tensors: per query
+    block, the count and then the key-block indices in increasing order, unused slots after them.
+    """
+    rows = len(seq_lengths)
+    padded = _round_up(row_tokens, block)
+    nb = padded // block
+    lo = torch.empty(rows, padded, dtype=torch.int64)
+    pos = torch.arange(padded)
+    for r, lengths in enumerate(seq_lengths):
+        segs = list(lengths) + ([padded - row_tokens] if padded != row_tokens else [])
+        lens = torch.tensor(segs, dtype=torch.int64)
+        starts = torch.cumsum(lens, 0) - lens
+        lo[r] = torch.repeat_interleave(starts, lens, output_size=padded)
+    if window is not None:
+        lo = torch.maximum(lo, pos - window + 1)
+    first = torch.arange(nb) * block
+    q_lo_first = lo[:, first].unsqueeze(-1)                    # (rows, nb, 1): lo(q0) of query block i
+    q_lo_last = lo[:, first + block - 1].unsqueeze(-1)         # lo(q1)
+    i = torch.arange(nb).view(nb, 1)
+    j = torch.arange(nb).view(1, nb)
+    k0, k1 = j * block, j * block + block - 1
+    any_ = (j <= i) & (q_lo_first <= k1)
+    full = (j < i) & (q_lo_last <= k0)
+    partial = any_ & ~full
+
+    def ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num = dense.sum(-1, dtype=torch.int32)
+        idx = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        return num.unsqueeze(1), idx.unsqueeze(1)
+
+    return (*ordered(partial), *ordered(full))
+
+
 def _block_mask_from_ids(ids: torch.Tensor, window: int | None, device: torch.device):
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -383,7 +456,8 @@ def _block_mask_from_ids(ids: torch.Tensor, window: int | None, device: torch.de
         # never equal to a real segment's id), so no real token sees it, and the output is cut back to T.
         ids = torch.cat([ids, ids.new_full((rows, padded - t), -1)], dim=1)
         t = padded
-    # On CUDA the mask creation is compiled (as transformers does): otherwise it materialises T x T on the side.
+    # The naive path's mask: create_block_mask, as transformers builds it. On CUDA it is compiled (as transformers
+    # does): otherwise it materialises T x T on the side.
     if device.type != "cuda":
         return create_block_mask(_mask_mod(ids, window), rows, None, t, t, device=device)
     with compile_headroom():
@@ -492,4 +566,4 @@ def naive_xformers_bias(position_ids: torch.Tensor, window: int | None = None):
 
 
 __all__ = ["PackedMetadata", "DeviceTensors", "normalize_row_lengths", "naive_varlen_args", "naive_dense_mask",
-           "naive_block_mask", "naive_xformers_bias", "NAIVE_BUILDS"]
+           "naive_block_mask", "host_block_tables", "naive_xformers_bias", "NAIVE_BUILDS"]
