@@ -109,8 +109,8 @@ case "$stage" in
     timeout 130 python3 -m pytest -q -m cuda tests/test_packed.py -k "flex or float32" -p no:logging \
       -p no:cacheprovider --no-header -rA --tb=short 2>&1 | grep -v DEBUG | tail -60 > "$OUT/flex_cuda_tests.log"
     timeout 45 python3 benchmarks/flex_probe.py 16384 > "$OUT/flex_probe_16k.log" 2>&1
-    FASTSFT_TRACEBACK=1 timeout -s INT 300 python3 -m fastsft_lab bench --full --only packed \
-      --set packed.backends=flex --set packed.tokens=4096,16384 --out "$OUT/bench-flex" 2>&1 | tr '\r' '\n' \
+    FASTSFT_TRACEBACK=1 timeout -s INT 330 python3 -m fastsft_lab bench --full --only packed \
+      --set packed.backends=flex --set packed.tokens=4096,8192,16384 --out "$OUT/bench-flex" 2>&1 | tr '\r' '\n' \
       | grep -v 'steps,' > "$OUT/bench_flex.log"
     (cd "$OUT" && tar czf /tmp/s5.tgz . && find . -mindepth 1 -delete && mv /tmp/s5.tgz .)
     exit 0
