@@ -102,6 +102,20 @@ case "$stage" in
     (cd "$OUT" && tar czf /tmp/s4.tgz . && find . -mindepth 1 -delete && mv /tmp/s4.tgz .)
     exit 0
     ;;
+  s6)
+    # after s5 (flex 4k ok, then 8k failed in every variant, stock too, with Unsupported _safe_softmax): 16k in a
+    # fresh process without the stock path (its create_block_mask compile alone is minutes), then 4k -> 8k in one
+    # process without the stock path (does the second shape fail without transformers' dynamic=None compile?)
+    python3 -m fastsft_lab info > "$OUT/info-s6.txt" 2>&1
+    FASTSFT_TRACEBACK=1 timeout -s INT 330 python3 -m fastsft_lab bench --full --only packed \
+      --set packed.backends=flex --set packed.tokens=16384 --set packed.stock=false --out "$OUT/bench-flex16k" 2>&1 \
+      | tr '\r' '\n' | grep -v 'steps,' > "$OUT/bench_flex16k.log"
+    FASTSFT_TRACEBACK=1 timeout -s INT 170 python3 -m fastsft_lab bench --full --only packed \
+      --set packed.backends=flex --set packed.tokens=4096,8192 --set packed.stock=false --out "$OUT/bench-flex-nostock" \
+      2>&1 | tr '\r' '\n' | grep -v 'steps,' > "$OUT/bench_flex_nostock.log"
+    (cd "$OUT" && tar czf /tmp/s6.tgz . && find . -mindepth 1 -delete && mv /tmp/s6.tgz .)
+    exit 0
+    ;;
   s5)
     # after s4: BlockMasks built from host lengths (no create_block_mask compile), the MoE-aware GPT-OSS test and
     # float32 packed == alone; flex 16k alone (probe), then flex 4k -> 16k in one process (session 2's failing order)

@@ -276,17 +276,21 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_result(result: dict, path: str, phases: Sequence[str] = ("forward", "step"), title: str | None = None) -> str:
-    """Bar chart of each variant's speed against the first one (baseline 1.00x), ratio labels on the bars."""
+def plot_result(result: dict, path: str, phases: Sequence[str] = ("forward", "step"), title: str | None = None) -> str | None:
+    """Bar chart of each variant's speed against the first successful one (1.00x), ratio labels on the bars.
+
+    Returns the PNG's path, or None (and writes nothing) when no variant succeeded: a configuration whose variants
+    all failed keeps its JSON, with each error, and must not stop the rest of a benchmark run.
+    """
+    rows = [r for r in result["variants"] if "error" not in r]
+    phases = [p for p in phases if all(f"{p}_ms" in r for r in rows)]
+    if not rows or not phases:
+        return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in result["variants"] if "error" not in r]
-    phases = [p for p in phases if all(f"{p}_ms" in r for r in rows)]
-    if not rows or not phases:
-        raise ValueError("nothing to plot: no successful variant has the requested phases")
     fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(rows) * len(phases)), 4.2))
     width = 0.8 / len(phases)
     for j, phase in enumerate(phases):

@@ -608,7 +608,8 @@ def plot_regime(summary: list[dict], path: str, x: str = "tokens_per_step") -> s
                 ax.set_xlabel(x.replace("_", " "))
             if col == 0:
                 ax.set_ylabel(f"{phase} speedup over the naive path")
-            ax.legend(fontsize=7)
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
     fig.tight_layout()
     from .bench import save_figure
 

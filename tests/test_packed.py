@@ -6,6 +6,7 @@ GPT-OSS): packed logits and LoRA gradients must equal it, on every backend that 
 
 from __future__ import annotations
 
+import json
 import math
 import pickle
 import warnings
@@ -666,6 +667,34 @@ def test_bench_scenario_smoke(tmp_path):
     assert (tmp_path / "packed_regime.png").exists()
     with pytest.raises(ValueError, match="unknown packed-attention backend"):
         bench_scenario(device="cpu", smoke=True, out_dir=str(tmp_path), backends=["nope"])
+
+
+def test_bench_scenario_records_a_configuration_whose_variants_all_fail_and_goes_on(tmp_path, monkeypatch):
+    # Seen on the H200: flex at a second row length in one process failed in every variant; the chart of that
+    # configuration then raised and stopped the run before the next token count.
+    import fastsft_lab.packed as P
+    from fastsft_lab.bench import Variant
+
+    real = P.packed_variants
+    calls = []
+
+    def first_config_broken(model, backend, device, *, stock=None):
+        calls.append(backend)
+        if len(calls) > 1:
+            return real(model, backend, device, stock=stock)
+
+        def broken(batch, state=None):
+            raise RuntimeError("could not compile")
+        return [Variant("a", inputs=broken), Variant("b", inputs=broken)]
+
+    monkeypatch.setattr(P, "packed_variants", first_config_broken)
+    results = P.bench_scenario(device="cpu", smoke=True, out_dir=str(tmp_path), steps=1, warmup=0, progress=False,
+                               models="tiny-qwen3", backends="sdpa", tokens=[256, 512])
+    assert len(results) == 2 and len(calls) == 2
+    failed = json.loads((tmp_path / "packed_tiny-qwen3_256_short_sdpa.json").read_text())
+    assert all(v["error"].startswith("RuntimeError: could not compile") for v in failed["variants"])
+    assert not (tmp_path / "packed_tiny-qwen3_256_short_sdpa.png").exists()
+    assert (tmp_path / "packed_tiny-qwen3_512_short_sdpa.png").exists()
 
 
 def test_naive_variants_for_notebook_00():
