@@ -862,6 +862,34 @@ def test_cuda_flex_stays_compiled_across_many_packed_shapes():
     assert not [w for w in caught if "without torch.compile" in str(w.message)]
 
 
+@pytest.mark.cuda
+def test_cuda_our_flex_keeps_working_after_a_stock_compile_of_flex_attention():
+    """transformers compiles ``flex_attention`` itself with dynamic shapes; dynamo keeps state per code object, and on
+    the H200 (torch 2.11) once that path had seen one row length, the next length failed to compile in our path too.
+    Ours compiles its own frame: after the stock compile has run two lengths, ours still compiles at new ones."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    stock = torch.compile(flex_attention)   # transformers.integrations.flex_attention on torch >= 2.7
+    scale = 64 ** -0.5
+    for t in (256, 384):
+        meta, q, k, v, _ = cuda_case(rows=((t // 2, t // 2),), seed=t)
+        bm = create_block_mask(lambda b, h, qi, ki: ki <= qi, 1, None, t, t, device="cuda")
+        try:
+            stock(q, k, v, block_mask=bm, scale=scale, enable_gqa=True).float().sum().backward()
+        except Exception as e:  # noqa: BLE001 - the stock compile may itself fail; ours must not
+            print(f"stock compiled flex at T={t}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for extra in (0, 200):
+            meta, q, k, v, _ = cuda_case(rows=((37, 100, 3, 116 + extra),), seed=extra)
+            ref, _ = cuda_reference(meta, q, k, v, None, scale, None)
+            out = K.flex_attention_packed(q, k, v, meta.block_mask("cuda"), scale=scale)
+            torch.testing.assert_close(out.float(), ref.detach(), rtol=2e-2, atol=2e-2)
+            out.float().sum().backward()
+            assert q.grad is not None and torch.isfinite(q.grad).all()
+    assert not [w for w in caught if "without torch.compile" in str(w.message)]
+
+
 def test_flex_recompile_limit_is_a_clear_error_not_a_silent_fallback(monkeypatch):
     """Past the compile limit, flex must not fall back to its eager T x T path without a word."""
     import torch._dynamo

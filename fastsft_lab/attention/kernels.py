@@ -216,12 +216,21 @@ def varlen_attention(q, k, v, cu: torch.Tensor, max_len: int, *, scale: float, w
 
 
 # --- flex attention ----------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=1)
-def _compiled_flex():
+def _flex_frame(q, k, v, **kwargs):
     from torch.nn.attention.flex_attention import flex_attention
 
+    return flex_attention(q, k, v, **kwargs)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex():
     # Uncompiled flex materialises the full score matrix; compiled, it is a fused kernel (and needs no T^2 memory).
-    return torch.compile(flex_attention, dynamic=False)
+    # Compiled through a frame of our own, not ``torch.compile(flex_attention)``: dynamo keeps its guards, cache
+    # entries and automatic-dynamic shape state per code object, so compiling flex_attention itself would share them
+    # with transformers' flex path (``torch.compile(flex_attention)``, dynamic shapes). Seen on the H200 with torch
+    # 2.11: once that path had run one row length, the next length failed to compile for every caller
+    # (Unsupported ``_safe_softmax``); without it, 4k then 8k compiled fine (benchmarks/results/h200-2026-12-03).
+    return torch.compile(_flex_frame, dynamic=False)
 
 
 def _call_flex(fn, *args, **kwargs):
@@ -242,8 +251,9 @@ def _call_flex(fn, *args, **kwargs):
             q = args[0]
             raise RuntimeError(
                 f"torch {torch.__version__} could not compile flex attention for q of shape {tuple(q.shape)} "
-                f"({str(e).splitlines()[0][:160]}). Seen on the H200 with torch 2.11 at 16k tokens in one row, for "
-                "transformers' own flex path as well. Use the varlen backend (or sdpa) for this shape") from e
+                f"({str(e).splitlines()[0][:160]}). Seen on the H200 with torch 2.11 after transformers' own flex path "
+                "(attn_implementation='flex_attention') had compiled flex for another row length in the same "
+                "process: keep to one flex path per process, or use the varlen backend (or sdpa)") from e
     return fn(*args, **kwargs)
 
 
