@@ -385,22 +385,24 @@ else:
     print("No GPU regime map under benchmarks/results/ yet (run: python -m fastsft_lab bench --only packed --set packed.sweep=true).")
 '''),
 ("md", r'''
-### What the H200 runs say (2026-12-02)
+### What the H200 runs say (2026-12-02 and -03)
 - **The limit is reached**: the cached path is within 1% of the oracle (metadata prebuilt outside the timed region)
   in every configuration whose steps are not host-bound noise.
 - **The gain is a regime result.** Qwen3-14B width, realistic lengths: +1–11% forward with varlen/sdpa (4k–16k
-  tokens), +27% (4k) and +16% (8k) with flex. Many short sequences and the SDPA dense mask make it large: Qwen3-14B
-  width, short sequences, 4k tokens, sdpa: **+40% forward, +27% step**; Qwen3-0.6B (all 28 layers), short sequences,
-  8k tokens, sdpa: **+132% forward, +80% step** — the published +43.3% forward is reproduced and exceeded there.
-  Long rows and kernels that take `cu_seqlens` directly (varlen) leave little to win.
+  tokens), +27% (4k), +16% (8k) and +9% (16k) with flex. Many short sequences and the SDPA dense mask make it large:
+  Qwen3-14B width, short sequences, 4k tokens, sdpa: **+40% forward, +27% step**; Qwen3-0.6B (all 28 layers), short
+  sequences, 8k tokens, sdpa: **+132% forward, +80% step** — the published +43.3% forward is reproduced and exceeded
+  there. Long rows and kernels that take `cu_seqlens` directly (varlen) leave little to win.
 - **Against stock transformers** at Qwen3-14B width, 8k tokens: stock sdpa 630.6 ms per step, our cached sdpa
   623.1, cached flex 479.0, cached varlen 477.9 — the backend choice matters more than the cache there.
 - **flex on torch 2.11**: packed GPT-OSS in bf16 can route a near-tie token to another expert than the same
   sequence run alone (1 of 216 tokens; the attention itself is within 0.002 of a float32 reference, and in float32
-  packed == alone exactly), so the MoE test compares the tokens routed alike. At 16k tokens the first
-  `create_block_mask` compiles for ~160 s; the cached path builds its `BlockMask` from host lengths instead.
+  packed == alone exactly), so the MoE test compares the tokens routed alike. At 16k tokens `create_block_mask`
+  compiles for ~160 s; the cached path builds its `BlockMask` from host lengths instead. Once transformers' own
+  flex path has compiled flex (with dynamic shapes), a new row length failed for every flex caller in that process;
+  our kernel now compiles a frame of its own.
 
-Tables: `benchmarks/results/h200-2026-12-02*/RESULTS.md`.
+Tables: `benchmarks/results/h200-2026-12-0*/RESULTS.md`.
 '''),
 ("md", r'''
 ## What it costs
