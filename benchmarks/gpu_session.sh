@@ -106,9 +106,9 @@ case "$stage" in
     # after s6 (without the stock path, flex 4k -> 8k in one process works): our flex now compiles its own frame,
     # not flex_attention's code object that transformers compiles with dynamic shapes; re-run s5's failing order
     python3 -m fastsft_lab info > "$OUT/info-s7.txt" 2>&1
-    timeout 100 python3 -m pytest -q -m cuda tests/test_packed.py -k "stock_compile or stays_compiled" -p no:logging \
+    timeout 80 python3 -m pytest -q -m cuda tests/test_packed.py -k "stock_compile or stays_compiled" -p no:logging \
       -p no:cacheprovider --no-header -rA --tb=short -s 2>&1 | grep -v DEBUG | tail -40 > "$OUT/flex_cuda_tests_s7.log"
-    FASTSFT_TRACEBACK=1 timeout -s INT 230 python3 -m fastsft_lab bench --full --only packed \
+    FASTSFT_TRACEBACK=1 timeout -s INT 200 python3 -m fastsft_lab bench --full --only packed \
       --set packed.backends=flex --set packed.tokens=4096,8192 --out "$OUT/bench-flex-stock" 2>&1 | tr '\r' '\n' \
       | grep -v 'steps,' > "$OUT/bench_flex_stock.log"
     (cd "$OUT" && tar czf /tmp/s7.tgz . && find . -mindepth 1 -delete && mv /tmp/s7.tgz .)
