@@ -400,7 +400,8 @@ else:
   packed == alone exactly), so the MoE test compares the tokens routed alike. At 16k tokens `create_block_mask`
   compiles for ~160 s; the cached path builds its `BlockMask` from host lengths instead. Once transformers' own
   flex path has compiled flex (with dynamic shapes), a new row length failed for every flex caller in that process;
-  our kernel now compiles a frame of its own.
+  our kernel now compiles a frame of its own and keeps working there (transformers' path still fails). With flex, give
+  the collator `max_tokens` (every row padded to one length: one shape).
 
 Tables: `benchmarks/results/h200-2026-12-0*/RESULTS.md`.
 '''),
