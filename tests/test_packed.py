@@ -842,7 +842,7 @@ def test_cuda_stock_flex_contamination_and_ours_does_not():
 
 @pytest.mark.cuda
 def test_cuda_flex_stays_compiled_across_many_packed_shapes():
-    """More packed shapes than dynamo's default 8 kernels per function (the 16k-token H200 failure): every call
+    """More packed shapes than dynamo's default 8 kernels per function: every call
     stays on the compiled kernel (no eager fallback, which warns and materialises T x T) and stays correct.
     Forward-only compiles keep it quick; the last shape also runs the backward."""
     scale = 64 ** -0.5

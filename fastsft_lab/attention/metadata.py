@@ -381,7 +381,8 @@ def compile_headroom():
     *eagerly*, which materialises every head's T x T scores (shown on a CPU: the 9th shape falls back with only a
     warning). Within this context the limit is raised for the flex call only, and hitting it raises
     ``FailOnRecompileLimitHit`` rather than degrading silently. (It was suspected, but is not, the cause of the
-    16k-token flex failure on the H200: see benchmarks/results/h200-2026-12-02b/README.md.)
+    flex failure at a second row length on the H200: that was transformers' flex path compiling ``flex_attention``'s
+    own code object with dynamic shapes; see benchmarks/results/h200-2026-12-03/README.md.)
     """
     import torch._dynamo.config as dynamo_config
 
