@@ -12,6 +12,8 @@
 #   benchmarks/gpu_session.sh s3           # flex CUDA model tests (after the 128-block padding), the 16k flex
 #                                          # failure isolated (first compile inside checkpointing; 16k alone), and
 #                                          # Qwen3-14B realistic 8k for every backend incl. stock
+# Later stages (s4-s7: flex diagnosis, flex 16k, the second-row-length failure) are described where they are defined;
+# their results: benchmarks/results/h200-2026-12-02c (s3, s4) and h200-2026-12-03 (s5-s7).
 # Everything it writes goes under $OUT (logs + one tarball of benchmarks/results and executed notebooks).
 set -uo pipefail
 stage=${1:-check}; part=${2:-A}
