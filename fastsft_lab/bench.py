@@ -276,7 +276,8 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_result(result: dict, path: str, phases: Sequence[str] = ("forward", "step"), title: str | None = None) -> str | None:
+def plot_result(result: dict, path: str, phases: Sequence[str] = ("forward", "step"),
+                title: str | None = None) -> str | None:
     """Bar chart of each variant's speed against the first successful one (1.00x), ratio labels on the bars.
 
     Returns the PNG's path, or None (and writes nothing) when no variant succeeded: a configuration whose variants
