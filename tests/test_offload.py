@@ -338,6 +338,46 @@ def test_dropped_graph_returns_its_slots():
         O.disable_offloaded_checkpointing(model, release_pool=True)
 
 
+def test_prefetch_is_issued_and_hit_on_cpu():
+    # The CPU runs the same bookkeeping: with two buffers and prefetch, the reload of layer k-1 is issued while layer
+    # k's backward starts, and layer k-1's backward then finds its input staged.
+    layers = 4
+    model = _model("tiny-qwen3", True, num_layers=layers)
+    inputs = _batch().model_inputs()
+    for buffers, prefetch, want in ((2, True, layers - 1), (2, False, 0), (1, False, 0)):
+        O.disable_offloaded_checkpointing(model, release_pool=True)
+        manager = O.enable_offloaded_checkpointing(model, buffers=buffers, prefetch=prefetch)
+        manager.stream_log = []
+        try:
+            model(**inputs).loss.backward()
+            st = manager.stats
+            assert (st.prefetches, st.prefetch_hits, st.reloads) == (want, want, layers), (buffers, prefetch)
+            # before the first recompute reads a staging buffer, the copy stream has written one (reactive) or two
+            # (its own input and the next layer's, prefetched) staging buffers
+            log = manager.stream_log
+            first_read = next(i for i, op in enumerate(log) if op[:2] == ("access", "compute")
+                              and op[2][0] == "staging" and op[3] == "r")
+            reloads = [op for op in log[:first_read] if op[:2] == ("access", "copy") and op[2][0] == "pool"
+                       and op[3] == "r"]      # a host->device copy reads its pool slot on the copy stream
+            assert len(reloads) == (2 if prefetch else 1), reloads
+        finally:
+            manager.stream_log = None
+            O.disable_offloaded_checkpointing(model, release_pool=True)
+            model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("buffers,prefetch", MODES, ids=MODE_IDS)
+def test_autocast_is_replayed_in_the_recompute(buffers, prefetch):
+    # Under CPU bf16 autocast the recompute must run in bf16 too: without the replay it runs in float32 and the
+    # gradients differ (by ~2e-3 on this model); with it they equal standard checkpointing bit for bit.
+    model = _model("tiny-qwen3", True)
+    inputs = _batch().model_inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = _standard(model, inputs)
+        got = _offloaded(model, inputs, buffers, prefetch)
+    _assert_same(ref, got)
+
+
 # --- the stream-order model: every cross-stream hazard ordered, for every pattern (checked on a CPU) ---------------
 def _logged(model, buffers, prefetch, run, **kw):
     """Run ``run()`` with offload on and the manager's stream-operation log recording; return the log."""
@@ -724,14 +764,12 @@ def test_offload_adds_no_host_syncs():
 
 # --- together with optimization 1 ----------------------------------------------------------------------------------
 def test_recompute_reuses_packed_metadata():
-    packed = pytest.importorskip("fastsft_lab.packed")
+    from fastsft_lab import packed
+
     model = build_model("tiny-qwen3", device="cpu", dtype=torch.float32, lora=LoraSettings(rank=4))
     model.train()
     batch = _batch()
-    try:
-        packed.enable_packed_attention(model, backend="sdpa", cache=True)
-    except Exception as e:  # noqa: BLE001 - optimization 1 still in flux
-        pytest.skip(f"packed attention not usable: {e}")
+    packed.enable_packed_attention(model, backend="sdpa", cache=True)
     inputs = packed.packed_inputs(batch)
     meta = inputs["packed_metadata"]
     ref = _standard(model, dict(inputs, packed_metadata=packed.packed_inputs(batch)["packed_metadata"]))

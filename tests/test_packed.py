@@ -484,6 +484,8 @@ CASES = {
     "one sequence": [[24]],
     "padding tail": [[7, 9, 3, 5], [20, 4]],
     "hundreds of short": [[1, 2, 3] * 60 + [2] * 40],
+    # segments that cross 128-token tiles (flash kernels work in tiles: a max_seqlen one short cuts the last one)
+    "across 128-token tiles": [[129, 257, 30]],
 }
 
 
@@ -731,13 +733,15 @@ def cuda_reference(meta, q, k, v, sinks, scale, window):
 
 CUDA_KERNEL_CASES = [(b, w, s) for b in ("sdpa", "varlen") for w in (None, 32) for s in (False, True)] + \
     [("flex", None, False), ("flex", 32, True)]   # each flex case is a torch.compile: keep two
+CUDA_ROWS = {"short": ((37, 100, 3, 116), (256,)), "tiles": ((129, 257, 126),)}   # tiles: segments cross 128 tokens
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("rows", list(CUDA_ROWS))
 @pytest.mark.parametrize("backend, window, sinks_on", CUDA_KERNEL_CASES,
                          ids=[f"{b}-w{w}-{'sinks' if s else 'nosinks'}" for b, w, s in CUDA_KERNEL_CASES])
-def test_cuda_kernels_forward_backward_match_float32_reference(backend, window, sinks_on):
-    meta, q, k, v, sinks = cuda_case()
+def test_cuda_kernels_forward_backward_match_float32_reference(backend, window, sinks_on, rows):
+    meta, q, k, v, sinks = cuda_case(CUDA_ROWS[rows])
     sinks = sinks if sinks_on else None
     scale = 64 ** -0.5
     if backend == "sdpa":
