@@ -1,7 +1,7 @@
-"""``python -m fastsft_lab ...`` -> fastsft_lab.cli."""
+"""``python -m fastsft_lab ...`` -> fastsft_lab.lab.cli."""
 
 import sys
 
-from .cli import main
+from .lab.cli import main
 
 sys.exit(main())

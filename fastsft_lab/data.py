@@ -2,7 +2,7 @@
 
 A packed row holds several sequences back to back (plus, when the row is not full, a padding tail that is its
 own segment with no loss). Each batch keeps the sequence lengths as *host-side Python integers*, known at
-collate time: attention metadata can then be built without ever asking the GPU (see ``fastsft_lab.packed``).
+collate time: attention metadata can then be built without ever asking the GPU (see ``fastsft_lab.packing``).
 
 Loss equivalence: transformers shifts labels by one across the whole row, so the last token of sequence A would
 be scored against the first token of sequence B. The packer sets the label of every sequence's first token to
@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
+
+from ._util import quantile
 
 IGNORE_INDEX = -100
 
@@ -92,9 +94,8 @@ def _stats(lengths: Sequence[int]) -> dict:
     if not lengths:
         return {"count": 0}
     s = sorted(lengths)
-    q = lambda p: s[min(len(s) - 1, int(p * (len(s) - 1) + 0.5))]  # noqa: E731
-    return {"count": len(s), "min": s[0], "median": q(0.5), "mean": round(sum(s) / len(s), 1),
-            "p90": q(0.9), "max": s[-1]}
+    return {"count": len(s), "min": s[0], "median": round(quantile(s, 0.5), 1), "mean": round(sum(s) / len(s), 1),
+            "p90": round(quantile(s, 0.9), 1), "max": s[-1]}
 
 
 def validate_lengths(lengths: Sequence[int], max_tokens: int) -> None:
@@ -111,25 +112,6 @@ def validate_lengths(lengths: Sequence[int], max_tokens: int) -> None:
                 f"sequence {i} has {length} tokens, more than a packed row holds (max_tokens={max_tokens}); "
                 "truncate it or raise max_tokens"
             )
-
-
-def check_row_lengths(seq_lengths: Sequence[Sequence[int]], row_tokens: int) -> tuple[tuple[int, ...], ...]:
-    """Validate per-row segment lengths against the row width; return them as nested tuples of ints."""
-    rows = []
-    for b, row in enumerate(seq_lengths):
-        row = tuple(int(x) for x in row)
-        if not row:
-            raise ValueError(f"row {b} has no segments")
-        bad = [x for x in row if x <= 0]
-        if bad:
-            raise ValueError(f"row {b} has a segment of length {bad[0]}; every segment must hold >= 1 token")
-        if sum(row) != row_tokens:
-            raise ValueError(
-                f"row {b}: segment lengths sum to {sum(row)} but the row holds {row_tokens} tokens "
-                "(the padding tail must be given as its own segment)"
-            )
-        rows.append(row)
-    return tuple(rows)
 
 
 def best_fit_decreasing(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -352,7 +334,7 @@ def unpack(batch: PackedBatch) -> list[SequenceRun]:
 
 
 __all__ = [
-    "IGNORE_INDEX", "Example", "PackedBatch", "validate_lengths", "check_row_lengths", "best_fit_decreasing",
+    "IGNORE_INDEX", "Example", "PackedBatch", "validate_lengths", "best_fit_decreasing",
     "collate_rows", "pack_examples", "LENGTH_MIXES", "sample_lengths", "synthetic_corpus", "benchmark_batches",
     "tokenize_example", "pack_dataset", "SequenceRun", "unpack",
 ]

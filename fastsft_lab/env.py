@@ -27,12 +27,6 @@ def smoke_mode() -> bool:
     return not has_cuda()
 
 
-def require_cuda(what: str) -> None:
-    """Raise a clear error when a CUDA-only mode is asked for on a machine without CUDA."""
-    if not has_cuda():
-        raise RuntimeError(f"{what} needs a CUDA GPU, and torch.cuda.is_available() is False on this machine.")
-
-
 def _version(module: str) -> str | None:
     try:
         mod = importlib.import_module(module)

@@ -8,7 +8,6 @@ the target device (no download, no CPU copy of a 14B model), while ``weights="hu
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -407,17 +406,15 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter that is not on the meta device."""
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    raise ValueError(f"{type(model).__name__} has no parameters on a real device (built on meta?)")
+
+
 def count_parameters(preset: str | ModelPreset, num_layers: int | None = None) -> int:
     """Parameters of a preset, counted on the meta device (nothing is allocated)."""
     model = build_model(preset, device="meta", num_layers=num_layers)
     return sum(p.numel() for p in model.parameters())
-
-
-@contextlib.contextmanager
-def eval_mode(model: nn.Module):
-    was_training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(was_training)

@@ -22,11 +22,13 @@ import time
 import warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._util import quantile
 
 aten = torch.ops.aten
 
@@ -344,14 +346,66 @@ def percentiles(values: Iterable[float]) -> dict[str, float]:
     v = sorted(values)
     if not v:
         return {"median": float("nan"), "p20": float("nan"), "p80": float("nan"), "n": 0}
+    return {"median": round(quantile(v, 0.5), 4), "p20": round(quantile(v, 0.2), 4),
+            "p80": round(quantile(v, 0.8), 4), "n": len(v)}
 
-    def q(p: float) -> float:
-        x = p * (len(v) - 1)
-        lo = int(x)
-        hi = min(lo + 1, len(v) - 1)
-        return v[lo] + (v[hi] - v[lo]) * (x - lo)
 
-    return {"median": round(q(0.5), 4), "p20": round(q(0.2), 4), "p80": round(q(0.8), 4), "n": len(v)}
+def time_ms(fn: Callable[[], object], device: torch.device | str, warmup: int, reps: int) -> dict:
+    """median/p20/p80 milliseconds of ``fn`` over ``reps`` calls after ``warmup`` (a :class:`PhaseTimer` per call:
+    CUDA events on a GPU, one sync at the end; perf_counter on a CPU)."""
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    timer = PhaseTimer(device)
+    for i in range(reps):
+        with timer.phase(str(i)):
+            fn()
+    return percentiles(timer.collect().values())
+
+
+SYNC_OP_NAMES = ("aten::nonzero", "aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal",
+                  "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::bincount")
+
+
+def host_device_timeline(fn: Callable[[], object], device: torch.device | str, *,
+                         wait_labels: Sequence[str] = ()) -> dict:
+    """Profile one call of ``fn`` and return its host ops and (on CUDA) GPU kernels as ms intervals.
+
+    Returns ``{"host": [(name, start_ms, end_ms, syncs)], "gpu": [(name, start_ms, end_ms)], "host_syncs": n}``;
+    ``syncs`` marks host ops that wait for the device (a ``nonzero``, ``item``, ``.tolist()`` copy or stream sync
+    anywhere below them, or a ``record_function`` range named in ``wait_labels``). On a CPU there is no GPU lane: the marks show where a GPU run would stall.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    with profile(activities=activities) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    events = prof.events()
+
+    def waits(evt) -> bool:
+        if evt.name in SYNC_OP_NAMES or evt.name in wait_labels:
+            return True
+        if evt.name.startswith("cudaMemcpy") and "Async" not in evt.name:
+            return True
+        if device.type == "cpu" and evt.name == "aten::_grouped_mm":
+            return False  # the CPU kernel reads its offsets from host memory; the CUDA kernel reads them on device
+        return any(waits(c) for c in evt.cpu_children)
+
+    host = [e for e in events if e.cpu_parent is None and e.device_type == torch.autograd.DeviceType.CPU
+            and not e.name.startswith(("ProfilerStep", "cudaDeviceSynchronize"))]
+    gpu = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
+    if not host:
+        return {"host": [], "gpu": [], "host_syncs": 0}
+    t0 = min([e.time_range.start for e in host] + [e.time_range.start for e in gpu])
+    to_ms = lambda t: (t - t0) / 1e3  # noqa: E731
+    host_rows = [(e.name, to_ms(e.time_range.start), to_ms(e.time_range.end), waits(e)) for e in host]
+    gpu_rows = [(e.name, to_ms(e.time_range.start), to_ms(e.time_range.end)) for e in gpu]
+    return {"host": host_rows, "gpu": gpu_rows, "host_syncs": sum(1 for r in host_rows if r[3])}
 
 
 # --- torch.profiler wrapper ---------------------------------------------------------------------------------------
@@ -388,5 +442,5 @@ def profile(fn: Callable[[], object], *, steps: int = 1, trace_path: str | None 
     return ProfileResult(table=table, trace_path=trace_path, top_ops=top_ops)
 
 
-__all__ = ["SyncCounter", "SyncReport", "count_syncs", "PhaseTimer", "reset_peak_memory", "peak_memory",
-           "percentiles", "profile", "ProfileResult"]
+__all__ = ["SyncCounter", "SyncReport", "count_syncs", "PhaseTimer", "time_ms", "reset_peak_memory", "peak_memory",
+           "percentiles", "host_device_timeline", "profile", "ProfileResult"]

@@ -6,8 +6,9 @@ import os
 import pytest
 import torch
 
-from fastsft_lab.bench import Variant, format_table, make_result, plot_result, run_variants, write_json
-from fastsft_lab.cli import main, parse_sets
+from fastsft_lab.lab.cli import main, parse_sets
+from fastsft_lab.lab.harness import Variant, format_table, make_result, run_variants, write_json
+from fastsft_lab.lab.plots import plot_result, save_figure
 from fastsft_lab.data import benchmark_batches
 from fastsft_lab.models import LoraSettings, build_model
 
@@ -46,7 +47,7 @@ def test_result_json_has_the_documented_fields(tiny, tmp_path):
             assert set(v[phase]) >= {"median", "p20", "p80"} and v[phase]["n"] == 3
         assert "host_syncs_per_step" in v and "peak_mem_bytes" in v
         assert v["host_syncs_per_step"] == 1  # stock sdpa: one packed-detection read per forward
-    png = plot_result(doc, str(tmp_path / "r.png"))
+    png = save_figure(plot_result(doc), str(tmp_path / "r.png"))
     assert os.path.getsize(png) > 1000
     assert "1.00" in format_table(doc)
 

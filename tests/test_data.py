@@ -5,9 +5,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastsft_lab.data import (IGNORE_INDEX, Example, benchmark_batches, best_fit_decreasing, check_row_lengths,
+from fastsft_lab.data import (IGNORE_INDEX, Example, benchmark_batches, best_fit_decreasing,
                               pack_dataset, pack_examples, sample_lengths, synthetic_corpus, unpack,
                               validate_lengths)
+from fastsft_lab.packing import normalize_row_lengths
 
 
 def _examples(lengths, vocab=100):
@@ -109,9 +110,9 @@ def test_bad_lengths_raise_clear_errors():
     with pytest.raises(ValueError, match="max_tokens"):
         validate_lengths([3], 0)
     with pytest.raises(ValueError, match="sum to 7 but the row holds 8"):
-        check_row_lengths([(3, 4)], 8)
+        normalize_row_lengths([(3, 4)], 8)
     with pytest.raises(ValueError, match="segment of length 0"):
-        check_row_lengths([(8, 0)], 8)
+        normalize_row_lengths([(8, 0)], 8)
     with pytest.raises(ValueError, match="more than a packed row holds"):
         pack_examples(_examples([10]), 8)
     with pytest.raises(ValueError, match="differ in length"):

@@ -16,6 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastsft_lab import moe
+from fastsft_lab.lab.scenarios import run_scenario
+from fastsft_lab.lab.scenarios.moe import experts_microbenchmark, routing_stats
 from fastsft_lab.models import LoraSettings, base_model, build_model, decoder_layers
 from fastsft_lab.moe import (MODES, experts_implementation, experts_modules, get_moe_routing, group_by_expert,
                              moe_routing, quantize_experts_nf4, set_moe_routing)
@@ -124,9 +126,9 @@ def test_switch_uses_registry_and_off_restores_exactly(tiny_gpt_oss):
         set_moe_routing(model, mode)
         assert get_moe_routing(model) == mode
         assert model.config._experts_implementation == moe.IMPLEMENTATIONS[mode]
-    assert set_moe_routing(model, "off") == "sync_free"
+    assert set_moe_routing(model, "off").moe_routing is None
     assert experts_implementation(model) == original and get_moe_routing(model) is None
-    assert not any(moe._ORIGINAL_ATTR in m.__dict__ for m in mods)
+    assert not moe.moe_routing_switched(model)
     # a model that ran stock eager goes back to eager
     model.config._experts_implementation_internal = "eager"
     set_moe_routing(model, "grouped")
@@ -228,7 +230,7 @@ def test_empty_input_returns_empty():
 def test_host_syncs_per_layer(tiny_gpt_oss, train):
     model = tiny_gpt_oss
     ids = torch.randint(4, 256, (2, 32), generator=torch.Generator().manual_seed(0))
-    hits = moe.routing_stats(model, {"input_ids": ids})["experts_hit"]
+    hits = routing_stats(model, {"input_ids": ids})["experts_hit"]
     for mode in MODES:
         with moe_routing(model, mode), SyncCounter.for_decoder_layers(model, device="cpu") as syncs:
             with torch.set_grad_enabled(train):
@@ -252,8 +254,10 @@ def test_sync_free_fallback_warns_and_stays_exact(monkeypatch):
     idx, w = random_routing(9, 6, 2)
     with moe_routing(module, "eager"):
         ref = module(x, idx, w)
-    monkeypatch.setattr(moe, "grouped_mm_unavailable", lambda *a: "test: no grouped_mm")
-    moe._FALLBACK_WARNED.discard("test: no grouped_mm")
+    from fastsft_lab.moe import experts
+
+    monkeypatch.setattr(experts, "grouped_mm_unavailable", lambda *a: "test: no grouped_mm")
+    experts._FALLBACK_WARNED.discard("test: no grouped_mm")
     with moe_routing(module, "sync_free"), SyncCounter(device="cpu") as syncs:
         with pytest.warns(UserWarning, match="falls back to 'grouped'"):
             out = module(x, idx, w)
@@ -265,7 +269,7 @@ def test_cpu_grouped_mm_runs_here_and_is_exact():
     x, w = torch.randn(10, 16), torch.randn(4, 16, 8)
     assert moe.grouped_mm_unavailable(x, w) is None  # torch >= 2.9 has a CPU kernel: the real path is tested
     offs = torch.tensor([3, 3, 7, 10], dtype=torch.int32)  # expert 1 empty
-    out = moe._grouped_mm(x, w, offs)
+    out = moe.grouped_mm(x, w, offs)
     ref = torch.cat([x[0:3] @ w[0], x[3:7] @ w[2], x[7:10] @ w[3]])
     assert_close(out, ref, "cpu grouped_mm", tol=1e-6)
 
@@ -276,12 +280,13 @@ import os, sys
 os.environ["TRITON_INTERPRET"] = "1"
 import torch
 from fastsft_lab import moe
-assert moe._HAS_TRITON
+from fastsft_lab.moe import gate
+assert gate._HAS_TRITON
 torch.manual_seed(0)
 gu = torch.randn(37, 48) * 6
 gu[0, 0], gu[0, 1], gu[0, 3] = 7.0, -7.0, 7.0   # exactly at the clamps: PyTorch passes the gradient there
 a, b = gu.clone().requires_grad_(True), gu.clone().requires_grad_(True)
-ref = moe._gpt_oss_glu(a, 1.702, 7.0)
+ref = moe.gate.eager_gpt_oss_glu(a, 1.702, 7.0)
 out = moe.gpt_oss_glu(b, 1.702, 7.0)
 assert out.grad_fn is not None and "Fused" in type(out.grad_fn).__name__, type(out.grad_fn)
 go = torch.randn_like(out)
@@ -307,7 +312,7 @@ def test_eager_glu_equals_stock_gate():
     gu = torch.randn(9, 24) * 6
     a, b = gu.clone().requires_grad_(True), gu.clone().requires_grad_(True)
     ref = GptOssExperts._apply_gate(make_experts("gpt_oss"), a)
-    out = moe._gpt_oss_glu(b, 1.702, 7.0)
+    out = moe.gate.eager_gpt_oss_glu(b, 1.702, 7.0)
     go = torch.randn_like(out)
     ref.backward(go)
     out.backward(go)
@@ -383,13 +388,13 @@ def test_nf4_dequantizes_only_hit_experts_except_sync_free(monkeypatch):
     module = make_experts("gpt_oss", experts=6)
     quantize_experts_nf4(module)
     calls = []
-    original = moe._NF4Weight.dequantize
+    original = moe.nf4.NF4Weight.dequantize
 
     def spy(self, expert=None):
         calls.append((self.name, expert))
         return original(self, expert)
 
-    monkeypatch.setattr(moe._NF4Weight, "dequantize", spy)
+    monkeypatch.setattr(moe.nf4.NF4Weight, "dequantize", spy)
     x = torch.randn(10, 16, requires_grad=True)
     idx, w = random_routing(10, 6, 2, used=[1, 3, 4])
     for mode in ("naive", "grouped"):
@@ -417,9 +422,9 @@ def test_nf4_refuses_expert_lora_and_bad_blocksize():
 def test_bench_scenario_smoke(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        results = moe.bench_scenario(device="cpu", smoke=True, out_dir=str(tmp_path), steps=1, warmup=0,
-                                     progress=False, tokens=64, row_tokens=32, modes=["forward"], micro_reps=1,
-                                     micro_presets=[])
+        results = run_scenario("moe", device="cpu", smoke=True, out_dir=str(tmp_path), steps=1, warmup=0,
+                               progress=False, tokens=64, row_tokens=32, modes=["forward"], micro_reps=1,
+                               micro_presets=[])
     assert [r["scenario"] for r in results] == ["moe-routing", "moe-experts-layer"]
     rows = {v["name"]: v for v in results[0]["variants"]}
     assert rows["grouped"]["host_syncs_in_layers"] == results[0]["config"]["num_layers"]
@@ -428,8 +433,8 @@ def test_bench_scenario_smoke(tmp_path):
     micro = {v["name"]: v for v in results[1]["variants"]}
     assert micro["sync_free"]["host_syncs_per_step"] == 0 and "expert matmuls alone" in micro
     assert len(list(tmp_path.glob("*.json"))) == 2 and len(list(tmp_path.glob("*.png"))) == 2
-    with pytest.raises(ValueError, match="unknown moe scenario option"):
-        moe.bench_scenario(device="cpu", smoke=True, out_dir=str(tmp_path), bogus=1)
+    with pytest.raises(ValueError, match="unknown option.*bogus"):
+        run_scenario("moe", device="cpu", smoke=True, out_dir=str(tmp_path), bogus=1)
 
 
 # --- CUDA: per MoE layer in bf16, syncs cross-checked by CUDA -------------------------------------------------------
@@ -560,14 +565,14 @@ def test_cuda_fused_glu_matches_eager_gate():
     assert moe.fused_glu_available(torch.zeros(1, device="cuda")), "triton should ship with CUDA torch"
     gu = (torch.randn(4096, 2 * 2880, device="cuda") * 6).to(torch.bfloat16)
     ref_in = gu.float().requires_grad_(True)
-    ref = moe._gpt_oss_glu(ref_in, 1.702, 7.0)  # float32 reference
+    ref = moe.gate.eager_gpt_oss_glu(ref_in, 1.702, 7.0)  # float32 reference
     x = gu.clone().requires_grad_(True)
     out = moe.gpt_oss_glu(x, 1.702, 7.0)
     go = torch.randn_like(ref)
     ref.backward(go)
     out.backward(go.to(out.dtype))
     eager_in = gu.clone().requires_grad_(True)
-    eager = moe._gpt_oss_glu(eager_in, 1.702, 7.0)  # bf16 eager: the error the stock path has
+    eager = moe.gate.eager_gpt_oss_glu(eager_in, 1.702, 7.0)  # bf16 eager: the error the stock path has
     eager.backward(go.to(eager.dtype))
     err_fused = (out.float() - ref).abs().max().item()
     err_eager = (eager.float() - ref).abs().max().item()
@@ -580,11 +585,11 @@ def test_cuda_fused_glu_matches_eager_gate():
 @pytest.mark.cuda
 def test_cuda_microbenchmark_and_stats_run():
     model = build_model("tiny-gpt-oss", device="cuda", dtype=torch.bfloat16)
-    rows = {r["name"]: r for r in moe.experts_microbenchmark(model, tokens=512, warmup=1, reps=2)}
+    rows = {r["name"]: r for r in experts_microbenchmark(model, tokens=512, warmup=1, reps=2)}
     assert rows["sync_free"]["host_syncs_per_step"] == 0 and rows["sync_free"].get("cuda_reported_syncs") == 0
     assert rows["grouped"]["host_syncs_per_step"] == 1
     assert "forward_ms" in rows["expert matmuls alone"]
     ids = torch.randint(4, 256, (2, 64), device="cuda")
-    stats = moe.routing_stats(model, {"input_ids": ids})
+    stats = routing_stats(model, {"input_ids": ids})
     assert len(stats["tokens_per_expert"]) == model.config.num_hidden_layers
     assert all(sum(row) == 2 * 64 * model.config.num_experts_per_tok for row in stats["tokens_per_expert"])

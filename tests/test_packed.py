@@ -1,4 +1,4 @@
-"""Packed-sequence metadata caching (fastsft_lab.packed): equivalence, sync counts, toggles, collator, errors.
+"""Packed-sequence metadata caching (fastsft_lab.packing): equivalence, sync counts, toggles, collator, errors.
 
 The reference everywhere is each sequence run ALONE through the untouched stock model (sdpa for Qwen3, eager for
 GPT-OSS): packed logits and LoRA gradients must equal it, on every backend that runs here, cached and naive.
@@ -15,22 +15,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fastsft_lab.attention import kernels as K
-from fastsft_lab.attention.metadata import NAIVE_BUILDS, PackedMetadata, naive_dense_mask, naive_varlen_args
+from fastsft_lab.evidence import cross_contamination, packed_vs_alone, packed_vs_alone_moe
+from fastsft_lab.packing import NAIVE_BUILDS, BACKENDS, PackedMetadata
+from fastsft_lab.packing.backends import eager as E, flex as FX, sdpa as S, varlen as V, xformers as XF
+from fastsft_lab.packing.backends.sdpa import naive_dense_mask
+from fastsft_lab.packing.backends.varlen import naive_varlen_args
 from fastsft_lab.data import IGNORE_INDEX, pack_examples, synthetic_corpus, unpack
 from fastsft_lab.models import LoraSettings, base_model, build_model, decoder_layers
-from fastsft_lab.packed import (
+from fastsft_lab.packing import (
     ATTN_NAMES,
     PackedCollator,
     attn_implementation_name,
     available_backends,
-    cross_contamination,
     disable_packed_attention,
     enable_packed_attention,
     packed_attention_state,
     packed_inputs,
-    packed_vs_alone,
-    packed_vs_alone_moe,
     set_packed_metadata_cache,
 )
 from fastsft_lab.profiling import SyncCounter
@@ -157,7 +157,7 @@ def test_naive_and_cached_build_the_same_objects():
     meta = PackedMetadata.from_batch(batch)
     for window in (None, 1, 3, 8, 500):
         for sink in (False, True):
-            cached = meta.dense_mask("cpu", torch.float32, window, sink=sink)
+            cached = S.dense_mask(meta, "cpu", torch.float32, window, sink=sink)
             naive = naive_dense_mask(batch.position_ids, torch.float32, None if window == 500 else window, sink=sink)
             assert torch.equal(cached, naive)
     cu, max_len = naive_varlen_args(batch.position_ids)
@@ -280,10 +280,10 @@ def test_registered_names_build_no_transformers_mask_and_gpt_oss_accepts_them():
 def test_kv_cache_is_refused_clearly():
     q = torch.randn(1, 4, 1, 16)
     k = torch.randn(1, 2, 5, 16)
-    from fastsft_lab.packed import _packed_attention
+    from fastsft_lab.packing.registry import packed_attention
 
     with pytest.raises(RuntimeError, match="generate"):
-        _packed_attention("sdpa", torch.nn.Module(), q, k, k, None, packed_metadata=PackedMetadata.from_lengths([1]))
+        packed_attention("sdpa", torch.nn.Module(), q, k, k, None, packed_metadata=PackedMetadata.from_lengths([1]))
 
 
 # --- the cross-contamination pitfall of stock transformers --------------------------------------------------------
@@ -323,7 +323,7 @@ def test_metadata_host_values_and_device_tensors():
     assert not meta._cache, "nothing is built before first use"
     with SyncCounter(device="cpu") as c:
         t = meta.tensors("cpu")
-        meta.dense_mask("cpu", torch.float32, 2)
+        S.dense_mask(meta, "cpu", torch.float32, 2)
     assert c.total == 0
     assert t.cu_seqlens.dtype == torch.int32 and t.cu_seqlens.tolist() == [0, 3, 8, 10, 14, 20]
     assert t.seq_ids.tolist() == [0] * 3 + [1] * 5 + [2] * 2 + [3] * 4 + [4] * 6
@@ -374,11 +374,11 @@ def test_metadata_is_immutable_and_cannot_go_stale():
         meta.seq_lengths = ((10,),)
     lengths[0][0] = 9  # the caller's list changes; the metadata copied it into tuples
     assert meta.seq_lengths == ((3, 5, 2),)
-    mask = meta.dense_mask("cpu", torch.float32)
+    mask = S.dense_mask(meta, "cpu", torch.float32)
     # A cache keyed on a tensor's identity (the bug class) would serve `mask` again after an in-place edit of the
     # lengths tensor. Ours has no tensor to edit; new lengths make a new object with its own, correct mask.
     other = PackedMetadata.from_lengths([[5, 5]])
-    assert not torch.equal(other.dense_mask("cpu", torch.float32), mask)
+    assert not torch.equal(S.dense_mask(other, "cpu", torch.float32), mask)
     restored = pickle.loads(pickle.dumps(meta))  # DataLoader workers: lengths travel, device caches do not
     assert restored.seq_lengths == meta.seq_lengths and not restored._cache
 
@@ -418,7 +418,7 @@ def test_dense_mask_has_transformers_semantics(window):
     q = torch.arange(t)[:, None].expand(t, t)
     k = torch.arange(t)[None, :].expand(t, t)
     expected = torch.stack([fn(torch.tensor(r), torch.tensor(0), q, k) for r in range(rows)])[:, None]
-    got = PackedMetadata.from_batch(batch).allowed("cpu", window)
+    got = S.allowed(PackedMetadata.from_batch(batch), "cpu", window)
     assert torch.equal(got, expected)
 
 
@@ -427,8 +427,8 @@ def test_xformers_bias_matches_dense_mask():
     meta = PackedMetadata.from_lengths([[3, 9, 4], [16]])
     n = meta.num_tokens
     for window in (None, 2, 5):
-        bias = meta.xformers_bias("cpu", window).materialize((n, n))
-        allowed = torch.block_diag(*[m[0] for m in meta.allowed("cpu", window).float()]).bool()
+        bias = XF.xformers_bias(meta, "cpu", window).materialize((n, n))
+        allowed = torch.block_diag(*[m[0] for m in S.allowed(meta, "cpu", window).float()]).bool()
         assert torch.equal(bias == 0, allowed)
 
 
@@ -460,16 +460,16 @@ def per_sequence_reference(q, k, v, seq_lengths, scale, window, sinks):
 
 def run_backend(name, q, k, v, meta, scale, window, sinks):
     if name == "sdpa":
-        mask = meta.dense_mask("cpu", q.dtype, window, sink=sinks is not None)
-        return K.sdpa_attention(q, k, v, mask, scale=scale, sinks=sinks)
+        mask = S.dense_mask(meta, "cpu", q.dtype, window, sink=sinks is not None)
+        return S.sdpa_attention(q, k, v, mask, scale=scale, sinks=sinks)
     if name == "eager":
-        return K.eager_attention(q, k, v, meta.dense_mask("cpu", q.dtype, window), scale=scale, sinks=sinks)[0]
+        return E.eager_attention(q, k, v, S.dense_mask(meta, "cpu", q.dtype, window), scale=scale, sinks=sinks)[0]
     if name == "varlen":
-        return K.varlen_attention(q, k, v, meta.tensors("cpu").cu_seqlens, meta.max_seqlen, scale=scale,
+        return V.varlen_attention(q, k, v, meta.tensors("cpu").cu_seqlens, meta.max_seqlen, scale=scale,
                                   window=window, sinks=sinks)
     if name == "flex":
         with torch.no_grad():
-            return K.flex_attention_packed(q, k, v, meta.block_mask("cpu", window), scale=scale, sinks=sinks)
+            return FX.flex_attention_packed(q, k, v, FX.block_mask(meta, "cpu", window), scale=scale, sinks=sinks)
     raise ValueError(name)
 
 
@@ -510,7 +510,7 @@ def test_kernel_gradients_incl_sinks_match_eager(backend, window):
     meta = PackedMetadata.from_lengths([[5, 1, 9, 3], [2, 16]])
     q, k, v, sinks = random_qkv(meta.num_rows, meta.row_tokens)
     dout = torch.randn(meta.num_rows, meta.row_tokens, 4, 8)
-    ref = K.eager_attention(q, k, v, meta.dense_mask("cpu", q.dtype, window), scale=0.35, sinks=sinks)[0]
+    ref = E.eager_attention(q, k, v, S.dense_mask(meta, "cpu", q.dtype, window), scale=0.35, sinks=sinks)[0]
     ref_grads = torch.autograd.grad(ref, (q, k, v, sinks), dout)
     got = run_backend(backend, q, k, v, meta, 0.35, window, sinks)
     got_grads = torch.autograd.grad(got, (q, k, v, sinks), dout)
@@ -545,13 +545,13 @@ if given is not None:
             got = run_backend(backend, q, k, v, meta, 0.4, window, sinks)
             torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
         batch_pos = torch.tensor([[p for n in row for p in range(n)] for row in meta.seq_lengths])
-        assert torch.equal(naive_dense_mask(batch_pos, torch.float32, window), meta.dense_mask("cpu", torch.float32,
+        assert torch.equal(naive_dense_mask(batch_pos, torch.float32, window), S.dense_mask(meta, "cpu", torch.float32,
                                                                                               window))
 
 
 def test_available_backends_say_why():
     status = available_backends("cpu")
-    assert set(status) == set(K.BACKENDS)
+    assert set(status) == set(BACKENDS)
     assert status["sdpa"].available and status["sdpa"].training
     assert status["varlen"].available and "reference" in status["varlen"].reason
     assert status["flex"].available and not status["flex"].training and "backward" in status["flex"].reason
@@ -654,11 +654,11 @@ def test_trl_sft_trainer_with_packed_collator_matches_plain_path(tmp_path):
 
 # --- the benchmark scenario (smoke) -------------------------------------------------------------------------------
 def test_bench_scenario_smoke(tmp_path):
-    from fastsft_lab.packed import bench_scenario
+    from fastsft_lab.lab.scenarios import run_scenario
 
     # scalars, as `--set packed.tokens=256` gives them
-    results = bench_scenario(device="cpu", smoke=True, out_dir=str(tmp_path), steps=1, warmup=0, progress=False,
-                             models="tiny-qwen3", backends="sdpa", tokens=256)
+    results = run_scenario("packed", device="cpu", smoke=True, out_dir=str(tmp_path), steps=1, warmup=0,
+                           progress=False, models="tiny-qwen3", backends="sdpa", tokens=256)
     assert len(results) == 1
     rows = {r["name"]: r for r in results[0]["variants"]}
     assert set(rows) == {"sdpa naive", "sdpa cached", "sdpa oracle", "stock sdpa"}
@@ -668,14 +668,17 @@ def test_bench_scenario_smoke(tmp_path):
     assert (tmp_path / "packed_tiny-qwen3_256_short_sdpa.json").exists()
     assert (tmp_path / "packed_regime.png").exists()
     with pytest.raises(ValueError, match="unknown packed-attention backend"):
-        bench_scenario(device="cpu", smoke=True, out_dir=str(tmp_path), backends=["nope"])
+        run_scenario("packed", device="cpu", smoke=True, out_dir=str(tmp_path), backends=["nope"])
+    with pytest.raises(ValueError, match="unknown option.*token.*valid: .*tokens"):
+        run_scenario("packed", device="cpu", smoke=True, out_dir=str(tmp_path), token=128)
 
 
 def test_bench_scenario_records_a_configuration_whose_variants_all_fail_and_goes_on(tmp_path, monkeypatch):
-    # Seen on the H200: flex at a second row length in one process failed in every variant; the chart of that
-    # configuration then raised and stopped the run before the next token count.
-    import fastsft_lab.packed as P
-    from fastsft_lab.bench import Variant
+    # A configuration whose variants all fail (e.g. flex at a second row length after transformers' own flex
+    # compile) keeps its JSON and must not stop the run before the next token count.
+    import fastsft_lab.lab.scenarios.packed as P
+    from fastsft_lab.lab.harness import Variant
+    from fastsft_lab.lab.scenarios import run_scenario
 
     real = P.packed_variants
     calls = []
@@ -690,8 +693,8 @@ def test_bench_scenario_records_a_configuration_whose_variants_all_fail_and_goes
         return [Variant("a", inputs=broken), Variant("b", inputs=broken)]
 
     monkeypatch.setattr(P, "packed_variants", first_config_broken)
-    results = P.bench_scenario(device="cpu", smoke=True, out_dir=str(tmp_path), steps=1, warmup=0, progress=False,
-                               models="tiny-qwen3", backends="sdpa", tokens=[256, 512])
+    results = run_scenario("packed", device="cpu", smoke=True, out_dir=str(tmp_path), steps=1, warmup=0,
+                           progress=False, models="tiny-qwen3", backends="sdpa", tokens=[256, 512])
     assert len(results) == 2 and len(calls) == 2
     failed = json.loads((tmp_path / "packed_tiny-qwen3_256_short_sdpa.json").read_text())
     assert all(v["error"].startswith("RuntimeError: could not compile") for v in failed["variants"])
@@ -700,7 +703,7 @@ def test_bench_scenario_records_a_configuration_whose_variants_all_fail_and_goes
 
 
 def test_naive_variants_for_notebook_00():
-    from fastsft_lab.packed import naive_variants
+    from fastsft_lab.lab.scenarios.packed import naive_variants
 
     model = make_model("tiny-qwen3")
     (variant,) = naive_variants(model, backends=["sdpa"])
@@ -727,7 +730,7 @@ def cuda_reference(meta, q, k, v, sinks, scale, window):
     """float32 eager on the same inputs: the yardstick for the bf16 kernels."""
     qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
     sf = sinks.detach().float().requires_grad_() if sinks is not None else None
-    out = K.eager_attention(qf, kf, vf, meta.dense_mask("cuda", torch.float32, window), scale=scale, sinks=sf)[0]
+    out = E.eager_attention(qf, kf, vf, S.dense_mask(meta, "cuda", torch.float32, window), scale=scale, sinks=sf)[0]
     return out, (qf, kf, vf, sf)
 
 
@@ -745,13 +748,13 @@ def test_cuda_kernels_forward_backward_match_float32_reference(backend, window, 
     sinks = sinks if sinks_on else None
     scale = 64 ** -0.5
     if backend == "sdpa":
-        out = K.sdpa_attention(q, k, v, meta.dense_mask("cuda", q.dtype, window, sink=sinks is not None),
+        out = S.sdpa_attention(q, k, v, S.dense_mask(meta, "cuda", q.dtype, window, sink=sinks is not None),
                                scale=scale, sinks=sinks)
     elif backend == "varlen":
-        out = K.varlen_attention(q, k, v, meta.tensors("cuda").cu_seqlens, meta.max_seqlen, scale=scale,
+        out = V.varlen_attention(q, k, v, meta.tensors("cuda").cu_seqlens, meta.max_seqlen, scale=scale,
                                  window=window, sinks=sinks)
     else:
-        out = K.flex_attention_packed(q, k, v, meta.block_mask("cuda", window), scale=scale, sinks=sinks)
+        out = FX.flex_attention_packed(q, k, v, FX.block_mask(meta, "cuda", window), scale=scale, sinks=sinks)
     ref, leaves = cuda_reference(meta, q, k, v, sinks, scale, window)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
     dout = torch.randn_like(ref)
@@ -768,7 +771,7 @@ def test_cuda_metadata_one_async_copy_no_sync():
     torch.cuda.synchronize()
     with SyncCounter(device="cuda", cross_check=True) as c:
         t = meta.tensors("cuda")
-        meta.dense_mask("cuda", torch.bfloat16, 3)
+        S.dense_mask(meta, "cuda", torch.bfloat16, 3)
     assert c.total == 0 and (c.cuda_reported or 0) == 0
     assert t.cu_seqlens.device.type == "cuda" and t.cu_seqlens.tolist() == [0, 3, 8, 10, 14, 20]
     assert t.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 0, 1], [0, 1, 2, 3, 0, 1, 2, 3, 4, 5]]
@@ -857,9 +860,9 @@ def test_cuda_flex_stays_compiled_across_many_packed_shapes():
             ref, _ = cuda_reference(meta, q, k, v, None, scale, None)
             if i < 9:
                 with torch.no_grad():
-                    out = K.flex_attention_packed(q, k, v, meta.block_mask("cuda"), scale=scale)
+                    out = FX.flex_attention_packed(q, k, v, FX.block_mask(meta, "cuda"), scale=scale)
             else:
-                out = K.flex_attention_packed(q, k, v, meta.block_mask("cuda"), scale=scale)
+                out = FX.flex_attention_packed(q, k, v, FX.block_mask(meta, "cuda"), scale=scale)
                 out.float().sum().backward()
                 assert q.grad is not None and torch.isfinite(q.grad).all()
             torch.testing.assert_close(out.float(), ref.detach(), rtol=2e-2, atol=2e-2)
@@ -889,7 +892,7 @@ def test_cuda_our_flex_keeps_working_after_a_stock_compile_of_flex_attention():
         for extra in (0, 200):
             meta, q, k, v, _ = cuda_case(rows=((37, 100, 3, 116 + extra),), seed=extra)
             ref, _ = cuda_reference(meta, q, k, v, None, scale, None)
-            out = K.flex_attention_packed(q, k, v, meta.block_mask("cuda"), scale=scale)
+            out = FX.flex_attention_packed(q, k, v, FX.block_mask(meta, "cuda"), scale=scale)
             torch.testing.assert_close(out.float(), ref.detach(), rtol=2e-2, atol=2e-2)
             out.float().sum().backward()
             assert q.grad is not None and torch.isfinite(q.grad).all()
@@ -909,8 +912,8 @@ def test_our_compiled_flex_leaves_flex_attentions_own_compile_state_alone():
         meta = PackedMetadata.from_lengths([[64, 64]])
         q = torch.randn(1, 2, 128, 16)
         with torch.no_grad():
-            got = K._call_flex(K._compiled_flex(), q, q, q, block_mask=meta.block_mask("cpu"))
-        assert len(_debug_get_cache_entry_list(K._flex_frame.__code__)) == 1
+            got = FX._call_flex(FX.compiled_flex(), q, q, q, block_mask=FX.block_mask(meta, "cpu"))
+        assert len(_debug_get_cache_entry_list(FX._flex_frame.__code__)) == 1
         assert len(_debug_get_cache_entry_list(flex_attention.__code__)) == 0
         ref = per_sequence_reference(q, q, q, meta.seq_lengths, 16 ** -0.5, None, None)
         torch.testing.assert_close(got.transpose(1, 2).double(), ref, rtol=1e-4, atol=1e-4)
@@ -922,21 +925,19 @@ def test_flex_recompile_limit_is_a_clear_error_not_a_silent_fallback(monkeypatch
     """Past the compile limit, flex must not fall back to its eager T x T path without a word."""
     import torch._dynamo
     import torch._dynamo.config as dynamo_config
-    from fastsft_lab.attention import metadata as M
-
-    compiled = K._compiled_flex()
+    compiled = FX.compiled_flex()
     torch._dynamo.reset()
-    monkeypatch.setattr(M, "FLEX_RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(FX, "FLEX_RECOMPILE_LIMIT", 1)
     try:
         with torch.no_grad(), dynamo_config.patch(recompile_limit=1):
             for i, t in enumerate((128, 256)):
                 meta = PackedMetadata.from_lengths([[t // 2, t // 2]])
                 q = torch.randn(1, 2, t, 16)
                 if i == 0:
-                    K._call_flex(compiled, q, q, q, block_mask=meta.block_mask("cpu"))
+                    FX._call_flex(compiled, q, q, q, block_mask=FX.block_mask(meta, "cpu"))
                 else:
                     with pytest.raises(RuntimeError, match="hit 1 recompilations.*varlen"):
-                        K._call_flex(compiled, q, q, q, block_mask=meta.block_mask("cpu"))
+                        FX._call_flex(compiled, q, q, q, block_mask=FX.block_mask(meta, "cpu"))
     finally:
         torch._dynamo.reset()
 
@@ -945,16 +946,16 @@ def test_flex_block_mask_is_padded_to_whole_blocks_and_checked():
     """Compiled flex cannot lower rows that are not whole 128-token blocks (T = 37 failed on the H200): the
     BlockMask covers a multiple of 128 with the tail as its own segment; a mask for other rows is refused."""
     meta = PackedMetadata.from_lengths([[30, 7]])
-    bm = meta.block_mask("cpu")
+    bm = FX.block_mask(meta, "cpu")
     assert tuple(bm.seq_lengths) == (128, 128)
     q, k, v, _ = random_qkv(1, 37, grad=False)
-    got = K.flex_attention_packed(q, k, v, bm, scale=0.3)
+    got = FX.flex_attention_packed(q, k, v, bm, scale=0.3)
     assert got.shape == (1, 37, 4, 8)
     ref = per_sequence_reference(q, k, v, meta.seq_lengths, 0.3, None, None)
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
     q2, k2, v2, _ = random_qkv(1, 200, grad=False)
     with pytest.raises(ValueError, match="covers 128 tokens, the rows have 200"):
-        K.flex_attention_packed(q2, k2, v2, bm, scale=0.3)
+        FX.flex_attention_packed(q2, k2, v2, bm, scale=0.3)
 
 
 def _dense_tiles(num: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -976,7 +977,8 @@ def test_host_block_tables_equal_create_block_mask(rows, window):
     blocks, windows smaller and larger than a block)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from fastsft_lab.attention.metadata import _mask_mod, _round_up, host_block_tables
+    from fastsft_lab._util import round_up as _round_up
+    from fastsft_lab.packing.backends.flex import host_block_tables, mask_mod_for as _mask_mod
 
     t = max(sum(r) for r in rows)
     rows = [r + [t - sum(r)] if sum(r) < t else r for r in rows]          # a padding tail as its own segment
@@ -990,7 +992,7 @@ def test_host_block_tables_equal_create_block_mask(rows, window):
     assert torch.equal(_dense_tiles(pn, pi), _dense_tiles(ref.kv_num_blocks, ref.kv_indices))
     assert torch.equal(_dense_tiles(fn, fi), _dense_tiles(ref.full_kv_num_blocks, ref.full_kv_indices))
     # and the BlockMask the metadata hands to flex carries them, with its backward (q-side) tables
-    bm = meta.block_mask("cpu", window)
+    bm = FX.block_mask(meta, "cpu", window)
     assert torch.equal(_dense_tiles(bm.kv_num_blocks, bm.kv_indices), _dense_tiles(pn, pi))
     assert torch.equal(_dense_tiles(bm.full_q_num_blocks, bm.full_q_indices),
                        _dense_tiles(ref.full_q_num_blocks, ref.full_q_indices))
@@ -1005,7 +1007,7 @@ def test_host_block_mask_builds_without_touching_the_device_or_mask_mod(monkeypa
     monkeypatch.setattr(fa, "create_block_mask", lambda *a, **k: pytest.fail("create_block_mask was called"))
     meta = PackedMetadata.from_lengths([[300, 1, 211], [512]])
     with SyncCounter() as c:
-        bm = meta.block_mask("cpu", 64)
+        bm = FX.block_mask(meta, "cpu", 64)
     assert c.total == 0
     assert tuple(bm.seq_lengths) == (512, 512) and bm.kv_num_blocks.shape == (2, 1, 4)
 
@@ -1013,7 +1015,7 @@ def test_host_block_mask_builds_without_touching_the_device_or_mask_mod(monkeypa
 def test_packed_vs_alone_moe_sees_every_layers_routing():
     """The MoE comparison captures each token's experts in every MoE layer, and on a float32 CPU run nothing is
     rerouted and packed equals alone."""
-    from fastsft_lab.packed import _expert_choices
+    from fastsft_lab.evidence import _expert_choices
 
     model = make_model("tiny-gpt-oss").eval()
     batch = make_batch()

@@ -34,9 +34,9 @@ def test_apply_all_three_then_revert_restores_original(moe_model):
     ref_logits, ref_grads = _loss_and_grads(model, batch)
 
     state = fastsft_lab.apply(model, packed_attention="sdpa", offload_buffers=2, moe_routing="sync_free")
-    assert state["packed"]["backend"] == "sdpa" and state["packed"]["cache"] is True
-    assert state["offload"] is True and state["offload_buffers"] == 2
-    assert state["moe_routing"] == "sync_free"
+    assert state.packed == "sdpa" and state.packed_cache is True
+    assert state.checkpointing == "offload" and state.offload_buffers == 2 and state.prefetch is True
+    assert state.moe_routing == "sync_free"
     logits, grads = _loss_and_grads(model, batch)
     # stock transformers' GPT-OSS attends across packed sequences (no mask from position_ids), ours does not:
     # compare on the first sequence of each row, which has nothing before it
@@ -44,10 +44,10 @@ def test_apply_all_three_then_revert_restores_original(moe_model):
     torch.testing.assert_close(logits[0, :first], ref_logits[0, :first], rtol=1e-4, atol=1e-4)
 
     fastsft_lab.apply(model, packed_metadata_cache=False)
-    assert fastsft_lab.toggles.state(model)["packed"]["cache"] is False
+    assert fastsft_lab.state(model).packed_cache is False
 
     state = fastsft_lab.revert(model)
-    assert state == {"packed": None, "offload": False, "offload_buffers": 0, "moe_routing": None}
+    assert state == fastsft_lab.ModelState(checkpointing="standard")     # the model was built with checkpointing
     assert base.config._attn_implementation == original_attn
     assert base.config._experts_implementation == original_experts
     assert [layer._gradient_checkpointing_func for layer in decoder_layers(model)] == original_funcs
@@ -67,12 +67,12 @@ def test_apply_rejects_bad_combinations(moe_model):
         fastsft_lab.apply(moe_model, packed_metadata_cache=True)
     with pytest.raises(ValueError, match="moe_routing"):
         fastsft_lab.apply(moe_model, moe_routing="fastest")
-    assert fastsft_lab.revert(moe_model)["packed"] is None
+    assert fastsft_lab.revert(moe_model).packed is None
 
 
 def test_public_api_is_lazy_and_complete():
     assert callable(fastsft_lab.apply) and callable(fastsft_lab.revert)
-    for name in ("packed", "offload", "moe", "models", "data", "profiling", "bench"):
+    for name in ("packing", "offload", "moe", "models", "data", "profiling", "evidence", "lab"):
         assert getattr(fastsft_lab, name).__name__ == f"fastsft_lab.{name}"
     with pytest.raises(AttributeError):
         fastsft_lab.not_a_module  # noqa: B018

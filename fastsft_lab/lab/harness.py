@@ -1,4 +1,4 @@
-"""One harness for every optimization: the same steps, phases, statistics, JSON and chart for all variants.
+"""One harness for every optimization: the same steps, phases, statistics and JSON for all variants.
 
 A *variant* is a way to run the same model on the same batches (naive, optimized, oracle, peer). Variants are
 interleaved step by step (A B C A B C ...) so that clock drift and thermal changes hit all of them alike, and
@@ -21,9 +21,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from .data import PackedBatch
-from .env import environment
-from .profiling import PhaseTimer, SyncCounter, peak_memory, percentiles, reset_peak_memory
+from ..data import PackedBatch
+from ..env import environment
+from ..profiling import PhaseTimer, SyncCounter, peak_memory, percentiles, reset_peak_memory
 
 
 def _noop(model: nn.Module) -> None:
@@ -54,12 +54,6 @@ class Variant:
     prepare: Callable[[PackedBatch], Any] | None = None
     inputs: Callable[[PackedBatch, Any], dict] = default_inputs
     note: str = ""
-
-
-@dataclass
-class StepResult:
-    times: dict
-    loss: float | None
 
 
 def _forward_loss(model: nn.Module, kwargs: dict) -> torch.Tensor:
@@ -236,7 +230,7 @@ def _progress(label: str, done: int, total: int, t_start: float) -> None:
           f"(eta {eta:4.0f}s)", end="", file=sys.stderr, flush=True)
 
 
-# --- Results: JSON, table, chart --------------------------------------------------------------------------------
+# --- Results: JSON and table --------------------------------------------------------------------------------
 def make_result(scenario: str, config: dict, variants: list[dict], device, notes: str = "") -> dict:
     return {"scenario": scenario, "env": environment(device), "config": config, "variants": variants,
             "notes": notes}
@@ -276,58 +270,5 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_result(result: dict, path: str, phases: Sequence[str] = ("forward", "step"),
-                title: str | None = None) -> str | None:
-    """Bar chart of each variant's speed against the first successful one (1.00x), ratio labels on the bars.
-
-    Returns the PNG's path, or None (and writes nothing) when no variant succeeded: a configuration whose variants
-    all failed keeps its JSON, with each error, and must not stop the rest of a benchmark run.
-    """
-    rows = [r for r in result["variants"] if "error" not in r]
-    phases = [p for p in phases if all(f"{p}_ms" in r for r in rows)]
-    if not rows or not phases:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(rows) * len(phases)), 4.2))
-    width = 0.8 / len(phases)
-    for j, phase in enumerate(phases):
-        base = rows[0][f"{phase}_ms"]["median"]
-        xs = [i + (j - (len(phases) - 1) / 2) * width for i in range(len(rows))]
-        ratios = [base / r[f"{phase}_ms"]["median"] for r in rows]
-        lo = [base / r[f"{phase}_ms"]["p80"] for r in rows]
-        hi = [base / r[f"{phase}_ms"]["p20"] for r in rows]
-        err = [[max(0.0, a - b) for a, b in zip(ratios, lo)], [max(0.0, b - a) for a, b in zip(ratios, hi)]]
-        bars = ax.bar(xs, ratios, width=width, label=f"{phase} (baseline {base:.1f} ms)", yerr=err, capsize=3)
-        for bar, ratio in zip(bars, ratios):
-            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{ratio:.2f}x", ha="center",
-                    va="bottom", fontsize=8)
-    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([r["name"] for r in rows], rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel(f"speed vs {rows[0]['name']} (higher is better)")
-    env = result.get("env", {})
-    where = env.get("gpu_name") or f"CPU ({env.get('cpu_count')} cores)"
-    cfg = result.get("config", {})
-    ax.set_title(title or f"{result.get('scenario')}: {cfg.get('model')} | {cfg.get('tokens_per_step')} tokens/step "
-                 f"| {where}", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return save_figure(fig, path)
-
-
-def save_figure(fig, path: str) -> str:
-    """Write a matplotlib figure as PNG (folders created) and close it: every chart of the package goes here."""
-    import matplotlib.pyplot as plt
-
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 __all__ = ["Variant", "default_inputs", "run_step", "make_optimizer", "run_variants", "count_step_syncs",
-           "make_result", "write_json", "format_table", "plot_result", "save_figure"]
+           "make_result", "write_json", "format_table"]

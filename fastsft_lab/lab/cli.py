@@ -1,15 +1,14 @@
-"""Command line: ``python -m fastsft_lab bench`` (the main job) and ``python -m fastsft_lab info``.
+"""Command line: ``python -m fastsft_lab bench`` (the main job), ``info`` and ``results``.
 
-``bench`` runs the three optimizations' benchmark scenarios on an embedded default: tiny models on a CPU
-(under two minutes), real architectures (random weights, reduced depth where the budget needs it) on a GPU. Each
-scenario writes one JSON per configuration and a chart; a summary table closes the run.
+``bench`` runs the three optimizations' benchmark scenarios on an embedded default: tiny models on a CPU (smoke
+mode), real architectures (random weights, reduced depth where the budget needs it) on a GPU. Each scenario writes
+one JSON per configuration and a chart; a summary table closes the run.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import importlib
 import json
 import os
 import sys
@@ -17,11 +16,16 @@ import time
 
 import torch
 
-SCENARIOS = {
-    "packed": ("fastsft_lab.packed", "packed-sequence metadata caching (optimization 1)"),
-    "offload": ("fastsft_lab.offload", "double-buffered offloaded checkpointing (optimization 2)"),
-    "moe": ("fastsft_lab.moe", "GPT-OSS MoE routing (optimization 3)"),
-}
+from .scenario import OptionError, option_help
+from .scenarios import SCENARIOS
+
+
+class UsageError(SystemExit):
+    """A one-line error about the command line (exit status 2)."""
+
+    def __init__(self, message: str):
+        print(f"fastsft_lab: error: {message}", file=sys.stderr)
+        super().__init__(2)
 
 
 def _parse_value(text: str):
@@ -47,13 +51,23 @@ def parse_sets(items: list[str] | None) -> dict[str, dict]:
     out: dict[str, dict] = {name: {} for name in SCENARIOS}
     for item in items or []:
         if "=" not in item or "." not in item.split("=", 1)[0]:
-            raise SystemExit(f"--set expects SCENARIO.KEY=VALUE (e.g. packed.tokens=4096,16384), got {item!r}")
+            raise UsageError(f"--set expects SCENARIO.KEY=VALUE (e.g. packed.tokens=4096,16384), got {item!r}")
         key, value = item.split("=", 1)
         scenario, option = key.split(".", 1)
         if scenario not in SCENARIOS:
-            raise SystemExit(f"--set: unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
+            raise UsageError(f"--set: unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
         out[scenario][option] = _parse_value(value)
     return out
+
+
+def _options_epilog() -> str:
+    lines = ["scenario options (--set SCENARIO.KEY=VALUE; lists comma-separated; defaults differ on a GPU and in "
+             "smoke mode):"]
+    for name, scenario in SCENARIOS.items():
+        lines.append(f"  {name}: {scenario.title}")
+        for key, kind, text in option_help(scenario.Options):
+            lines.append(f"    {name}.{key} ({kind}): {text}")
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,9 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench", help="benchmark all three optimizations (before/after/peers) on an embedded default",
-        description="Run the benchmark scenarios. On a CPU the default is tiny models (smoke mode, < 2 min); on a "
-                    "GPU the real architectures (random weights). Variants are interleaved step by step; every "
-                    "phase is reported as median [p20-p80].",
+        description="Run the benchmark scenarios. On a CPU the default is tiny models (smoke mode: about two "
+                    "minutes on 2 cores; the timings show the mechanism, not GPU speed); on a GPU the real "
+                    "architectures (random weights). Variants are interleaved step by step; every phase is reported "
+                    "as median [p20-p80].",
+        epilog=_options_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument("--only", default=",".join(SCENARIOS),
                        help=f"comma-separated scenarios to run, from: {', '.join(SCENARIOS)}")
@@ -82,11 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=int, default=None, help="measured steps per variant (scenario default)")
     bench.add_argument("--warmup", type=int, default=None, help="warm-up steps per variant (scenario default)")
     bench.add_argument("--set", action="append", metavar="SCENARIO.KEY=VALUE",
-                       help="scenario option, repeatable; lists are comma-separated "
-                            "(e.g. --set packed.tokens=4096,16384 --set moe.num_layers=8)")
+                       help="scenario option, repeatable (the keys are listed below)")
     bench.add_argument("--quiet", action="store_true", help="no progress bars")
 
     sub.add_parser("info", help="print the environment, the presets and which attention backends run here")
+    res = sub.add_parser("results", help="list the committed benchmark results, or rebuild their packaged index")
+    res.add_argument("--index", action="store_true", help="rewrite fastsft_lab/lab/data/results.json from "
+                                                          "benchmarks/results (run in a clone)")
     return parser
 
 
@@ -96,38 +114,45 @@ def _default_out(device: torch.device) -> str:
 
 
 def run_bench(args) -> int:
-    from .env import default_device, describe, smoke_mode
+    from ..env import default_device, describe, smoke_mode
 
+    if args.device not in (None, "cpu", "cuda") and not str(args.device).startswith("cuda:"):
+        raise UsageError(f"--device must be cpu or cuda, got {args.device!r}")
     device = torch.device(args.device) if args.device else default_device()
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda was asked for, but torch.cuda.is_available() is False on this machine")
+        raise UsageError("--device cuda was asked for, but torch.cuda.is_available() is False on this machine")
     smoke = smoke_mode() if args.smoke is None else args.smoke
     if device.type == "cpu" and not smoke:
         print("note: --full on a CPU builds real-size models; expect it to be very slow", file=sys.stderr)
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
-        raise SystemExit(f"--only: unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
-    options = parse_sets(args.set)
+        raise UsageError(f"--only: unknown scenario(s) {', '.join(unknown)}; known: {', '.join(SCENARIOS)}")
+    sets = parse_sets(args.set)
+    for name, values in sets.items():
+        if values and name not in names:
+            raise UsageError(f"--set {name}.*: scenario {name!r} is not in --only {args.only}")
+    # every scenario's options are resolved and checked before anything runs
+    plans = {}
+    for name in names:
+        try:
+            plans[name] = SCENARIOS[name].options(device, smoke, sets[name], steps=args.steps, warmup=args.warmup)
+        except (OptionError, ValueError) as e:
+            raise UsageError(f"{name}: {e}") from None
     out_dir = args.out or _default_out(device)
     os.makedirs(out_dir, exist_ok=True)
     print(f"fastsft_lab bench | {describe()} | device={device} smoke={smoke} | out={out_dir}")
+    if device.type == "cpu":
+        print("CPU run: tiny models, one thread per scenario. The timings show each mechanism (host syncs removed, "
+              "metadata built once, copies scheduled), not GPU speed; GPU figures: README and benchmarks/results.")
 
     summary = []
     t0 = time.time()
     for name in names:
-        module_name, title = SCENARIOS[name]
-        print(f"\n=== {name}: {title} ===")
-        try:
-            module = importlib.import_module(module_name)
-            scenario = getattr(module, "bench_scenario")
-        except (ImportError, AttributeError) as e:
-            print(f"  skipped: {module_name}.bench_scenario is not available ({e})")
-            summary.append({"scenario": name, "error": f"not available: {e}"})
-            continue
+        scenario = SCENARIOS[name]
+        print(f"\n=== {name}: {scenario.title} ===")
         t1 = time.time()
-        results = scenario(device=device, smoke=smoke, out_dir=out_dir, steps=args.steps, warmup=args.warmup,
-                           progress=not args.quiet, **options[name])
+        results = scenario(plans[name], device=device, out_dir=out_dir, progress=not args.quiet)
         for r in results:
             summary.append(_summarize(name, r))
         print(f"  ({time.time() - t1:.0f} s)")
@@ -136,11 +161,8 @@ def run_bench(args) -> int:
     with open(path, "w") as f:
         json.dump({"device": str(device), "smoke": smoke, "seconds": round(time.time() - t0, 1),
                    "scenarios": summary}, f, indent=2, default=str)
-    print("\n=== summary: step-time speedup of each variant against its scenario's first variant ===")
+    print("\n=== summary: step-time speed of each variant against its scenario's first variant (higher is better) ===")
     for s in summary:
-        if "error" in s:
-            print(f"  {s['scenario']:8s} {s['error']}")
-            continue
         print(f"  {s['scenario']:8s} {s['label']}")
         for v in s["variants"]:
             print(f"      {v['name']:30s} {v['speedup']}")
@@ -165,8 +187,9 @@ def _summarize(name: str, result: dict) -> dict:
 
 
 def run_info() -> int:
-    from .env import describe, environment
-    from .models import PRESETS
+    from ..env import describe, environment
+    from ..models import PRESETS
+    from ..packing import available_backends
 
     print(describe())
     print(json.dumps(environment(), indent=2, default=str))
@@ -175,15 +198,23 @@ def run_info() -> int:
         c = p.config
         print(f"  {p.name:15s} {p.family:9s} layers={c['num_hidden_layers']:3d} hidden={c['hidden_size']:5d} "
               f"{'real' if p.real else 'tiny'} {p.hub_id or ''}")
-    try:
-        from .packed import available_backends
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print("\nattention backends on", device)
+    for name, (ok, why) in available_backends(device).items():
+        print(f"  {name:12s} {'yes' if ok else 'no '} {why}")
+    return 0
 
-        print("\nattention backends on", "cuda" if torch.cuda.is_available() else "cpu")
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        for name, (ok, why) in available_backends(device).items():
-            print(f"  {name:12s} {'yes' if ok else 'no '} {why}")
-    except ImportError:
-        pass
+
+def run_results(args) -> int:
+    from . import results
+
+    if args.index:
+        print("wrote", results.write_index())
+        return 0
+    docs = results.all_results()
+    for d in sorted(docs, key=lambda d: d["_path"]):
+        print(f"  {d['_path']:80s} {d.get('scenario')}")
+    print(f"{len(docs)} results")
     return 0
 
 
@@ -193,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_bench(args)
     if args.command == "info":
         return run_info()
+    if args.command == "results":
+        return run_results(args)
     return 2
 
 

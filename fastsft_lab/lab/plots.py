@@ -1,0 +1,320 @@
+"""Every chart of fastsft_lab, in one place. Each function returns a matplotlib ``Figure`` (shown inline in a
+notebook); :func:`save_figure` writes it as PNG and closes it. Nothing here touches the matplotlib backend.
+
+One convention for every comparison: *speed* relative to a baseline (baseline time / variant time), the baseline
+at 1.00x, higher is better, the ratio written on each bar. Memory is in GiB, lower is better, and says so.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from .timelines import KIND_COLORS, KIND_LABELS, simulate_schedule, span_ms
+
+HIGHER = "higher is better"
+_BLUE, _GREY, _ORANGE, _RED = "#4C72B0", "#8C8C8C", "#DD8452", "#C44E52"
+
+
+def _plt():
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str, dpi: int = 110) -> str:
+    """Write ``fig`` as a PNG (folders created), close it, return ``path``."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    _plt().close(fig)
+    return path
+
+
+def _where(result: dict) -> str:
+    env = result.get("env", {})
+    return env.get("gpu_name") or f"CPU ({env.get('cpu_count')} cores)"
+
+
+def _label_bars(ax, bars, values, tops, fmt="{:.2f}x") -> None:
+    """Value labels just above each bar's error bar (so the bar's whisker never covers its label)."""
+    for bar, value, top in zip(bars, values, tops):
+        ax.annotate(fmt.format(value), (bar.get_x() + bar.get_width() / 2, top), xytext=(0, 2),
+                    textcoords="offset points", ha="center", va="bottom", fontsize=7)
+
+
+def plot_result(result: dict, phases: Sequence[str] = ("forward", "step"), title: str | None = None,
+                limit: str | None = None):
+    """Speed of each variant against the first successful one (1.00x) per phase, p20-p80 as whiskers.
+
+    ``limit`` names a variant drawn as a dashed line instead of a bar (a zero-overhead limit that would flatten
+    every other bar). Returns None when no variant succeeded (a configuration whose variants all failed keeps its
+    JSON, with each error, and must not stop the rest of a benchmark run).
+    """
+    plt = _plt()
+    ok = [r for r in result["variants"] if "error" not in r]
+    rows = [r for r in ok if r["name"] != limit]
+    lim = next((r for r in ok if r["name"] == limit), None)
+    phases = [p for p in phases if rows and all(f"{p}_ms" in r for r in rows)]
+    if not rows or not phases:
+        return None
+    fig, ax = plt.subplots(figsize=(min(12.0, max(6.5, 1.05 * len(rows) * len(phases) + 2)), 4.6))
+    width = 0.8 / len(phases)
+    for j, phase in enumerate(phases):
+        base = rows[0][f"{phase}_ms"]["median"]
+        xs = [i + (j - (len(phases) - 1) / 2) * width for i in range(len(rows))]
+        ratios = [base / r[f"{phase}_ms"]["median"] for r in rows]
+        lo = [base / r[f"{phase}_ms"]["p80"] for r in rows]
+        hi = [base / r[f"{phase}_ms"]["p20"] for r in rows]
+        err = [[max(0.0, a - b) for a, b in zip(ratios, lo)], [max(0.0, b - a) for a, b in zip(ratios, hi)]]
+        bars = ax.bar(xs, ratios, width=width, label=f"{phase} (baseline {base:.1f} ms)", yerr=err, capsize=3,
+                      error_kw={"elinewidth": 0.8, "alpha": 0.7})
+        _label_bars(ax, bars, ratios, [r + e for r, e in zip(ratios, err[1])])
+        if lim is not None and f"{phase}_ms" in lim:
+            speed = base / lim[f"{phase}_ms"]["median"]
+            ax.axhline(speed, color=bars[0].get_facecolor(), ls=":", lw=1.2,
+                       label=f"{phase}: {limit} = {speed:.1f}x (the limit)")
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([r["name"] for r in rows], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel(f"speed vs {rows[0]['name']} ({HIGHER})", fontsize=8)
+    ax.margins(y=0.15)
+    cfg = result.get("config", {})
+    ax.set_title(title or f"{result.get('scenario')}: {cfg.get('model')} | {cfg.get('tokens_per_step')} tokens/step "
+                 f"| {_where(result)}", fontsize=9)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    return fig
+
+
+def plot_regime(summary: list[dict], x: str = "tokens_per_step"):
+    """The packed-metadata regime map: speed of the cached path over the naive one (forward, step) against ``x``.
+
+    One column per model and depth, one line per (backend, length mix); the naive path is 1.0x. Where a column has a
+    single ``x`` value, grouped bars replace the lines.
+    """
+    plt = _plt()
+    columns = sorted({(s["model"], s.get("num_layers") or 0) for s in summary})
+    fig, axes = plt.subplots(2, len(columns), figsize=(5.6 * len(columns), 7.4), squeeze=False, sharey="row")
+    for col, (model, layers) in enumerate(columns):
+        groups: dict[tuple, dict] = {}
+        for s in summary:
+            if (s["model"], s.get("num_layers") or 0) == (model, layers):
+                groups.setdefault((s["backend"], s["mix"]), {})[s[x]] = s   # one point per x (the latest given)
+        xs_all = sorted({xv for g in groups.values() for xv in g})
+        for row, phase in enumerate(("forward", "step")):
+            ax = axes[row][col]
+            key = f"cached_{phase}_speedup"
+            if len(xs_all) == 1:
+                names = [f"{b} | {m}" for b, m in sorted(groups)]
+                vals = [groups[g][xs_all[0]].get(key) or 0 for g in sorted(groups)]
+                bars = ax.bar(range(len(vals)), vals, color=_BLUE)
+                _label_bars(ax, bars, vals, vals)
+                ax.set_xticks(range(len(vals)))
+                ax.set_xticklabels(names, rotation=15, ha="right", fontsize=8)
+                ax.set_xlabel(f"{x.replace('_', ' ')} = {xs_all[0]}", fontsize=8)
+            else:
+                for (backend, mix), pts in sorted(groups.items()):
+                    line = [(xv, pts[xv].get(key)) for xv in sorted(pts) if pts[xv].get(key)]
+                    if not line:
+                        continue
+                    xs, ys = zip(*line)
+                    ax.plot(xs, ys, marker="o", label=f"{backend} | {mix}")
+                    for xi, yi in line:
+                        ax.annotate(f"{yi:.2f}x", (xi, yi), textcoords="offset points", xytext=(0, 5), fontsize=7,
+                                    ha="center")
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(xs_all)
+                ax.set_xticklabels([f"{v // 1024}k" if v % 1024 == 0 else str(v) for v in xs_all], fontsize=8)
+                if row == 1:
+                    ax.set_xlabel(x.replace("_", " "), fontsize=8)
+                if ax.get_legend_handles_labels()[0]:
+                    ax.legend(fontsize=7)
+            ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+            ax.margins(y=0.15)
+            ax.set_title(f"{model} ({layers} layers): {phase}, cached vs naive", fontsize=9)
+            if col == 0:
+                ax.set_ylabel(f"{phase} speed over the naive path ({HIGHER})", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_offload_result(result: dict):
+    """Speed against standard checkpointing (ratio labels) and, on a GPU, peak memory, one bar per variant."""
+    plt = _plt()
+    rows = [r for r in result["variants"] if "step_ms" in r]
+    if not rows:
+        return None
+    base = rows[0]["step_ms"]["median"]
+    names = [r["name"] for r in rows]
+    peaks = [r.get("peak_mem_bytes") for r in rows]
+    panels = 2 if any(peaks) else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6.4 * panels, 4.6), squeeze=False)
+    a1 = axes[0][0]
+    speed = [base / r["step_ms"]["median"] for r in rows]
+    err = [[max(0.0, s - base / r["step_ms"]["p80"]) for s, r in zip(speed, rows)],
+           [max(0.0, base / r["step_ms"]["p20"] - s) for s, r in zip(speed, rows)]]
+    bars = a1.bar(range(len(rows)), speed, color=[_GREY] + [_BLUE] * (len(rows) - 1), yerr=err, capsize=3,
+                  error_kw={"elinewidth": 0.8, "alpha": 0.7})
+    _label_bars(a1, bars, speed, [s + e for s, e in zip(speed, err[1])])
+    a1.axhline(1.0, color="gray", lw=0.8, ls="--")
+    a1.set_ylabel(f"step speed vs {names[0]}\n({HIGHER})", fontsize=8)
+    a1.margins(y=0.15)
+    if panels == 2:
+        a2 = axes[0][1]
+        gib = [(p or 0) / 2**30 for p in peaks]
+        pb = a2.bar(range(len(rows)), gib, color=_ORANGE)
+        _label_bars(a2, pb, gib, gib, fmt="{:.2f}")
+        a2.set_ylabel("peak GPU memory, GiB (lower is better)", fontsize=8)
+        a2.margins(y=0.12)
+    for ax in axes[0]:
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels(names, rotation=25, ha="right", fontsize=8)
+    cfg = result.get("config", {})
+    fig.suptitle(f"offloaded checkpointing: {cfg.get('model')} x{cfg.get('num_layers')} layers | "
+                 f"{cfg.get('tokens_per_step')} tokens/step | {_where(result)}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def plot_across_tokens(results: Sequence[dict]):
+    """Step speed relative to standard checkpointing and peak GPU memory, grouped by tokens per step."""
+    plt = _plt()
+    names = ["checkpointing (standard)", "no checkpointing", "transformers offload=True",
+             "save_on_cpu(step) + ckpt", "offload x1 (single buffer)", "offload x2 (double buffer)",
+             "offload x2 + prefetch"]
+    present = [n for n in names if any(v["name"] == n and "step_ms" in v for r in results for v in r["variants"])]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.6))
+    width = 0.8 / max(1, len(present))
+    for j, n in enumerate(present):
+        xs, speeds, peaks = [], [], []
+        for i, r in enumerate(results):
+            by = {v["name"]: v for v in r["variants"]}
+            std = by.get("checkpointing (standard)", {}).get("step_ms", {}).get("median")
+            v = by.get(n)
+            if v is None or "step_ms" not in v or not std:
+                continue
+            xs.append(i + (j - (len(present) - 1) / 2) * width)
+            speeds.append(std / v["step_ms"]["median"])
+            peaks.append((v.get("peak_mem_bytes") or 0) / 2**30)
+        bars = a1.bar(xs, speeds, width=width, label=n)
+        _label_bars(a1, bars, speeds, speeds, fmt="{:.2f}")
+        a2.bar(xs, peaks, width=width, label=n)
+    for ax in (a1, a2):
+        ax.set_xticks(range(len(results)))
+        ax.set_xticklabels([f"{r['config']['tokens_per_step']} tokens" for r in results])
+        ax.margins(y=0.12)
+    a1.axhline(1.0, color="gray", lw=0.8, ls="--")
+    a1.set_ylabel(f"step speed vs standard checkpointing ({HIGHER})", fontsize=8)
+    a2.set_ylabel("peak GPU memory, GiB (lower is better)", fontsize=8)
+    a1.legend(fontsize=7)
+    env = results[0].get("env", {}) if results else {}
+    cfg = results[0].get("config", {}) if results else {}
+    fig.suptitle(f"{cfg.get('model')} x{cfg.get('num_layers')} layers, {cfg.get('quant')} + LoRA "
+                 f"r{cfg.get('lora_rank')} | {env.get('gpu_name') or 'CPU'}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def plot_sweep(result: dict):
+    """Gain of double buffer + prefetch over one buffer vs the measured copy/backward ratio, with the model curve."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    rs = [i / 100 for i in range(0, 101, 2)]
+    model_gain = []
+    for r in rs:
+        one = span_ms(simulate_schedule(10, fwd_ms=0.5, bwd_ms=1.0, copy_ms=r, buffers=1))
+        two = span_ms(simulate_schedule(10, fwd_ms=0.5, bwd_ms=1.0, copy_ms=r, buffers=2))
+        model_gain.append((one / two - 1) * 100)
+    ax.plot(rs, model_gain, color="gray", ls="--", label="schedule model (10 layers, fwd = bwd/2)")
+    for p in result.get("points", []):
+        if "copy_to_backward_ratio" in p and "gain_x2p_vs_x1" in p:
+            ax.scatter([p["copy_to_backward_ratio"]], [p["gain_x2p_vs_x1"] * 100], color=_BLUE)
+            ax.annotate(f"{p['preset']} {p['tokens']}", (p["copy_to_backward_ratio"], p["gain_x2p_vs_x1"] * 100),
+                        fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("reload copy time / layer backward time")
+    ax.set_ylabel(f"step-time gain of 2 buffers + prefetch\nover 1 buffer, % ({HIGHER})", fontsize=8)
+    ax.axhline(6.7, color=_RED, lw=0.8, ls=":", label="published +6.7% (14B, B200)")
+    ax.legend(fontsize=8)
+    ax.set_title("Where the second buffer matters", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def plot_timeline(events: Sequence[dict], ax=None, *, title: str | None = None, label_layers: bool = True,
+                  xlim: tuple[float, float] | None = None):
+    """Two lanes (compute stream above, copy stream below), one bar per interval, coloured by kind. Returns ax."""
+    if ax is None:
+        _, ax = _plt().subplots(figsize=(11, 2.2))
+    lanes = {"compute": 1, "copy": 0}
+    t0 = min((e["start_ms"] for e in events), default=0.0)
+    span = max(span_ms(events), 1e-9)
+    seen = set()
+    for e in events:
+        y = lanes.get(e["lane"], 0)
+        w = e["end_ms"] - e["start_ms"]
+        label = KIND_LABELS.get(e["kind"], e["kind"]) if e["kind"] not in seen else None
+        seen.add(e["kind"])
+        ax.broken_barh([(e["start_ms"] - t0, max(w, span * 1e-4))], (y - 0.35, 0.7),
+                       facecolors=KIND_COLORS.get(e["kind"], "#333"), edgecolor="white", linewidth=0.4,
+                       label=label)
+        if label_layers and e.get("layer", -1) >= 0 and w > span * 0.025:
+            ax.text(e["start_ms"] - t0 + w / 2, y, str(e["layer"]), ha="center", va="center", fontsize=7,
+                    color="white")
+    ax.set_yticks([0, 1])
+    ax.set_yticklabels(["copy stream", "compute stream"], fontsize=8)
+    ax.set_xlabel("ms", fontsize=8)
+    ax.set_ylim(-0.6, 1.6)
+    if xlim:
+        ax.set_xlim(*xlim)
+    if title:
+        ax.set_title(title, fontsize=9)
+    return ax
+
+
+def plot_timelines(named: dict[str, Sequence[dict]], *, suptitle: str | None = None, share_x: bool = True):
+    """One timeline per entry (e.g. single buffer / double buffer), stacked with a common time axis."""
+    plt = _plt()
+    names = list(named)
+    fig, axes = plt.subplots(len(names), 1, figsize=(11, 1.9 * len(names) + 0.9), sharex=share_x, squeeze=False)
+    longest = max((span_ms(v) for v in named.values()), default=1.0)
+    for ax, name in zip(axes[:, 0], names):
+        ev = named[name]
+        plot_timeline(ev, ax, title=f"{name}  ({span_ms(ev):.1f} ms)", xlim=(0, longest * 1.02))
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    for ax in axes[1:, 0]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    fig.legend(handles, labels, loc="lower center", ncol=min(5, len(labels)), fontsize=8, frameon=False)
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=10)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    return fig
+
+
+def plot_host_device_timeline(timelines: dict[str, dict], ax=None, title: str | None = None):
+    """Host ops (grey; red where the host waits for the device) and GPU kernels (blue) per mode
+    (:func:`fastsft_lab.profiling.host_device_timeline`'s output). Returns ax."""
+    if ax is None:
+        _, ax = _plt().subplots(figsize=(10, 0.9 + 0.75 * len(timelines) * 2))
+    labels, y = [], 0
+    for mode, tl in timelines.items():
+        if tl["gpu"]:
+            ax.broken_barh([(s, max(e - s, 1e-3)) for _, s, e in tl["gpu"]], (y - 0.35, 0.7), color="tab:blue")
+            labels.append((y, f"{mode}: GPU kernels"))
+            y += 1
+        ax.broken_barh([(s, max(e - s, 1e-3)) for _, s, e, w in tl["host"] if not w], (y - 0.35, 0.7),
+                       color="lightgray")
+        ax.broken_barh([(s, max(e - s, 1e-3)) for _, s, e, w in tl["host"] if w], (y - 0.35, 0.7), color="tab:red")
+        labels.append((y, f"{mode}: host ({tl['host_syncs']} waits)"))
+        y += 1.4
+    ax.set_yticks([p for p, _ in labels])
+    ax.set_yticklabels([t for _, t in labels], fontsize=8)
+    ax.set_xlabel("ms from the start of the experts forward")
+    ax.set_title(title or "one MoE layer's experts forward: red = the host waits for the device", fontsize=9)
+    return ax
+
+
+__all__ = ["save_figure", "plot_result", "plot_regime", "plot_offload_result", "plot_across_tokens", "plot_sweep",
+           "plot_timeline", "plot_timelines", "plot_host_device_timeline"]

@@ -1,0 +1,157 @@
+"""Committed benchmark results, read back: the one loader behind every notebook figure and README table.
+
+Results are the JSON files ``python -m fastsft_lab bench`` writes, committed under ``benchmarks/results/<run>/``.
+In a clone they are read from there (recursively). An installed package (``pip install``, Colab) has no
+``benchmarks/`` folder, so a compact copy of them ships as package data, ``fastsft_lab/lab/data/results.json``,
+written by :func:`write_index` (``python -m fastsft_lab results --index``) and checked against the folder by a test.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pathlib
+from typing import Any, Iterable, Sequence
+
+INDEX = pathlib.Path(__file__).resolve().parent / "data" / "results.json"
+_SKIP = {"summary.json"}
+
+
+def repo_results_dir() -> pathlib.Path | None:
+    """``benchmarks/results`` of the clone this package runs from, or None (an installed package)."""
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    return path if path.is_dir() else None
+
+
+def _read_folder(root: pathlib.Path) -> list[dict]:
+    docs = []
+    for path in sorted(glob.glob(os.path.join(root, "**", "*.json"), recursive=True)):
+        if os.path.basename(path) in _SKIP:
+            continue
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict) and "scenario" in doc and "env" in doc:
+            doc["_path"] = os.path.relpath(path, root).replace(os.sep, "/")
+            docs.append(doc)
+    return docs
+
+
+def all_results(root: str | os.PathLike | None = None) -> list[dict]:
+    """Every result document: from ``root``, else the clone's ``benchmarks/results``, else the packaged index.
+
+    Each carries ``_path``, its path relative to the results folder (``<run>/<sub>/<file>.json``).
+    """
+    if root is not None:
+        return _read_folder(pathlib.Path(root))
+    repo = repo_results_dir()
+    if repo is not None:
+        return _read_folder(repo)
+    if INDEX.exists():
+        return json.loads(INDEX.read_text())["results"]
+    return []
+
+
+def _scenario_matches(doc: dict, scenario: str | Sequence[str] | None) -> bool:
+    if scenario is None:
+        return True
+    names = (scenario,) if isinstance(scenario, str) else tuple(scenario)
+    return doc.get("scenario") in names
+
+
+def load_results(scenario: str | Sequence[str] | None = None, *, root=None, device_type: str | None = "cuda",
+                 newest_run: bool = False) -> list[dict]:
+    """Committed results of ``scenario`` (a name or several), for ``device_type`` (None: any), newest first.
+
+    ``newest_run=True`` keeps only the documents of the newest run folder (the first part of ``_path``) that has
+    any: figures from different sessions are never mixed in one chart.
+    """
+    docs = [d for d in all_results(root) if _scenario_matches(d, scenario)
+            and (device_type is None or d.get("env", {}).get("device") == device_type)]
+    docs.sort(key=lambda d: (d["env"].get("date", ""), d["_path"]), reverse=True)
+    if newest_run and docs:
+        run = run_of(docs[0])
+        docs = [d for d in docs if run_of(d) == run]
+    return docs
+
+
+def run_of(doc: dict) -> str:
+    """The run folder a document was committed in (e.g. ``h200-2026-12-02b``)."""
+    return doc["_path"].split("/", 1)[0]
+
+
+def newest_per_config(docs: Iterable[dict], key) -> list[dict]:
+    """One document per ``key(doc)`` (the newest), in the order of first appearance of each key."""
+    out: dict[Any, dict] = {}
+    for d in sorted(docs, key=lambda d: (d["env"].get("date", ""), d["_path"]), reverse=True):
+        out.setdefault(key(d), d)
+    return list(out.values())
+
+
+def describe_run(doc: dict) -> str:
+    """``GPU, torch, transformers, date`` of a result, for a caption."""
+    env = doc.get("env", {})
+    return (f"{env.get('gpu_name') or 'CPU'}, torch {env.get('torch')}, transformers {env.get('transformers')}, "
+            f"{env.get('date', '')[:10]} ({run_of(doc)})")
+
+
+def _compact(doc: dict) -> dict:
+    """A result as the index keeps it: everything but the per-variant notes (the committed JSON has those)."""
+    out = {k: v for k, v in doc.items() if k != "variants"}
+    if "variants" in doc:
+        out["variants"] = [{k: v for k, v in r.items() if k != "note"} for r in doc["variants"]]
+    return out
+
+
+def build_index(root: str | os.PathLike | None = None) -> dict:
+    """The package-data index of every committed result (see the module docstring)."""
+    root = pathlib.Path(root) if root is not None else repo_results_dir()
+    if root is None:
+        raise FileNotFoundError("no benchmarks/results folder here: build the index from a clone")
+    return {"about": "compact copy of benchmarks/results/**/*.json for installed packages; "
+                     "regenerate with `python -m fastsft_lab results --index`",
+            "results": [_compact(d) for d in _read_folder(root)]}
+
+
+def write_index(root: str | os.PathLike | None = None, path: str | os.PathLike = INDEX) -> str:
+    index = build_index(root)
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(index, separators=(",", ":"), sort_keys=True, default=str) + "\n")
+    return str(path)
+
+
+# --- per-scenario views the notebooks use ---------------------------------------------------------------------------
+def offload_results(root=None, device_type: str = "cuda") -> dict:
+    """Offload results of the newest run of each kind: ``{"offload": [...by tokens], "timeline": [...],
+    "sweep": [...], "vram": [...]}`` (lists empty when nothing was committed)."""
+    kinds = {"offload": "offload", "offload_timeline": "timeline", "offload_sweep": "sweep", "offload_vram": "vram"}
+    out: dict[str, list] = {}
+    for scenario, name in kinds.items():
+        out[name] = load_results(scenario, root=root, device_type=device_type, newest_run=True)
+    for k in ("offload", "timeline"):
+        out[k].sort(key=lambda d: d["config"].get("tokens_per_step", 0))
+    return out
+
+
+def packed_regime(root=None, device_type: str = "cuda") -> list[dict]:
+    """The regime-map points of every committed packed run, one per (model, depth, backend, mix, tokens): the
+    newest measurement of each point (a point measured again in a later session replaces the earlier one)."""
+    points = []
+    for doc in load_results("packed_metadata_regime", root=root, device_type=device_type):
+        for p in doc["summary"]:
+            points.append(dict(p, _run=run_of(doc), _date=doc["env"].get("date", "")))
+    seen, out = set(), []
+    for p in sorted(points, key=lambda p: p["_date"], reverse=True):
+        key = (p["model"], p.get("num_layers"), p["backend"], p["mix"], p["tokens_per_step"])
+        if key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
+
+
+__all__ = ["all_results", "load_results", "run_of", "newest_per_config", "describe_run", "build_index",
+           "write_index", "offload_results", "packed_regime", "repo_results_dir", "INDEX"]

@@ -1,0 +1,26 @@
+"""The benchmark scenarios, one file each (``python -m fastsft_lab bench --only NAME``)."""
+
+from .moe import MoeScenario
+from .offload import OffloadScenario
+from .packed import PackedScenario
+
+SCENARIOS = {s.name: s for s in (PackedScenario(), OffloadScenario(), MoeScenario())}
+
+__all__ = ["SCENARIOS", "PackedScenario", "OffloadScenario", "MoeScenario"]
+
+
+def run_scenario(name: str, *, device, smoke: bool, out_dir: str, steps: int | None = None,
+                 warmup: int | None = None, progress: bool = True, **overrides) -> list[dict]:
+    """Resolve ``name``'s options (its defaults for ``device`` and ``smoke``, then ``overrides``) and run it."""
+    import torch
+
+    try:
+        scenario = SCENARIOS[name]
+    except KeyError:
+        raise ValueError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}") from None
+    device = torch.device(device)
+    opts = scenario.options(device, smoke, overrides, steps=steps, warmup=warmup)
+    return scenario(opts, device=device, out_dir=out_dir, progress=progress)
+
+
+__all__.append("run_scenario")

@@ -1,0 +1,65 @@
+"""What is switched on, per model: the one value every switch of fastsft_lab returns.
+
+Each optimization keeps its own record on the model and registers a *reader* here when its module is imported;
+:func:`state` asks every registered reader. A module that was never imported cannot have switched anything on,
+so its part of the state is simply "off". This module imports none of them (no import cycle).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """The optimizations on a model, as :func:`fastsft_lab.apply` and every per-optimization switch report them.
+
+    Attributes:
+        packed: packed-attention backend (``"sdpa"``, ``"varlen"``, ...) or None when off.
+        packed_cache: True = metadata built once per batch, False = the naive per-layer rebuild (None when off).
+        offload_buffers: 0 (no offload), 1 or 2 staging buffers.
+        prefetch: offload prefetch on (False when no offload).
+        checkpointing: ``"none"``, ``"standard"`` (transformers' own) or ``"offload"``.
+        moe_routing: ``"naive"`` / ``"grouped"`` / ``"sync_free"``, or None when the experts run a stock
+            implementation (or the model has none).
+    """
+
+    packed: str | None = None
+    packed_cache: bool | None = None
+    offload_buffers: int = 0
+    prefetch: bool = False
+    checkpointing: str = "none"
+    moe_routing: str | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+_READERS: dict[str, Callable[[nn.Module], dict]] = {}
+
+
+def register_state_reader(name: str, reader: Callable[[nn.Module], dict]) -> None:
+    """``reader(model) -> {field: value}`` for some :class:`ModelState` fields (one registration per module)."""
+    _READERS[name] = reader
+
+
+def checkpointing_of(model: nn.Module) -> str:
+    """``"standard"`` when transformers' own checkpointing is on for the decoder layers, else ``"none"``."""
+    inner = model
+    for _ in range(4):
+        inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    return "standard" if getattr(inner, "is_gradient_checkpointing", False) else "none"
+
+
+def state(model: nn.Module) -> ModelState:
+    """The optimizations switched on for ``model`` right now."""
+    values: dict = {"checkpointing": checkpointing_of(model)}
+    for reader in _READERS.values():
+        values.update(reader(model))
+    return ModelState(**values)
+
+
+__all__ = ["ModelState", "state", "register_state_reader", "checkpointing_of"]

@@ -1,0 +1,257 @@
+"""The checkpoint function of offloaded checkpointing: what each decoder layer's checkpoint call runs.
+
+It plugs into transformers' own extension point: ``GradientCheckpointingLayer.__call__`` calls
+``self._gradient_checkpointing_func(partial(super().__call__, **kwargs), *args)``; the switch sets that attribute
+(and ``gradient_checkpointing = True``) on each decoder layer, so it works under PEFT/QLoRA wrappers and keeps every
+kwarg (rotary cos/sin, masks, optimization 1's ``packed_metadata``) for the recompute untouched.
+
+* forward: the layer runs with grad mode on but keeps nothing (a ``saved_tensors_hooks`` pair drops what autograd
+  would save, as torch's non-reentrant checkpoint does), so it runs the very kernels standard checkpointing runs;
+  its input goes to the manager (:meth:`OffloadManager.save`).
+* backward: the manager stages the input back (:meth:`OffloadManager.begin_backward`), the layer is recomputed
+  with grad -- RNG state and autocast state replayed as ``torch.utils.checkpoint`` does -- and back-propagated by a
+  nested ``torch.autograd.backward``; then the slot is released (:meth:`OffloadManager.end_backward`).
+
+The backward has the semantics of *reentrant* checkpointing: the layer's parameter gradients are accumulated into
+``.grad`` by the nested backward. Unlike torch's reentrant checkpoint, gradients reach LoRA parameters even when the
+layer input does not require grad (a zero-size dummy input keeps the output in the graph).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .manager import Entry, OffloadManager
+
+
+def _autocast_state(device_type: str) -> tuple[dict | None, dict]:
+    dev = None
+    if device_type != "cpu" and torch.amp.is_autocast_available(device_type):
+        dev = {"enabled": torch.is_autocast_enabled(device_type), "dtype": torch.get_autocast_dtype(device_type),
+               "cache_enabled": torch.is_autocast_cache_enabled()}
+    cpu = {"enabled": torch.is_autocast_enabled("cpu"), "dtype": torch.get_autocast_dtype("cpu"),
+           "cache_enabled": torch.is_autocast_cache_enabled()}
+    return dev, cpu
+
+
+@dataclass
+class _Call:
+    """Everything the recompute needs, except the offloaded input (which lives in the pinned pool)."""
+
+    manager: OffloadManager
+    fn: Callable
+    fn_args: tuple
+    leaves: list
+    spec: Any
+    offload_leaf: int | None
+    grad_leaves: list[int]
+    entry: Entry | None
+    trace_layer: int
+    cpu_rng: torch.Tensor | None = None
+    dev_rng: torch.Tensor | None = None
+    autocast: tuple = field(default_factory=tuple)
+
+
+def _discard_saved(t: torch.Tensor) -> None:
+    return None
+
+
+def _never_unpacked(_handle) -> torch.Tensor:
+    raise RuntimeError(
+        "offloaded checkpointing: something computed inside an offloaded layer's forward is being back-propagated "
+        "outside of it -- typically router logits captured for an auxiliary loss (output_router_logits=True). The "
+        "offloaded forward keeps no activations, so such side outputs cannot get a gradient: turn the auxiliary "
+        "loss off or detach it, use standard checkpointing, or enable with forward_grad=False (the forward then "
+        "runs under no_grad and side outputs silently carry no gradient, as with reentrant checkpointing).")
+
+
+def _saved_hooks_allowed() -> bool:
+    probe = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+    return probe() if probe is not None else True
+
+
+def _recompute_and_backward(call: _Call, leaves: list, grad_outputs: tuple) -> list[torch.Tensor]:
+    """Recompute the layer with grad from ``leaves`` (the staged input in place) and back-propagate through it."""
+    manager = call.manager
+    # Detached leaves that require grad: their .grad is what we return. The same tensor object in two places
+    # maps to one detached tensor, so its gradient is summed as in the original graph.
+    detached: dict[int, torch.Tensor] = {}
+    for i in call.grad_leaves:
+        t = leaves[i]
+        d = detached.get(id(t))
+        if d is None:
+            d = t.detach().requires_grad_(True)
+            detached[id(t)] = d
+        leaves[i] = d
+    grad_leaf_tensors = [leaves[i] for i in call.grad_leaves]
+    args, kwargs = pytree.tree_unflatten(leaves, call.spec)
+    dev_type = manager.device.type
+    rng_devices = [manager.device] if (manager.cuda and call.dev_rng is not None) else []
+    dev_autocast, cpu_autocast = call.autocast
+    with torch.random.fork_rng(devices=rng_devices, enabled=manager.preserve_rng_state,
+                               device_type=dev_type if dev_type != "cpu" else "cuda"):
+        if manager.preserve_rng_state:
+            torch.set_rng_state(call.cpu_rng)
+            if rng_devices:
+                torch.cuda.set_rng_state(call.dev_rng, manager.device)
+        dev_ctx = torch.autocast(dev_type, **dev_autocast) if dev_autocast else contextlib.nullcontext()
+        with torch.enable_grad(), dev_ctx, torch.autocast("cpu", **cpu_autocast):
+            out = call.fn(*call.fn_args, *args, **kwargs)
+    outs = out if isinstance(out, tuple) else (out,)
+    pairs = [(o, g) for o, g in zip(outs, grad_outputs)
+             if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    return grad_leaf_tensors
+
+
+class _OffloadedLayer(torch.autograd.Function):
+    """Forward: run the layer keeping nothing, offload its input. Backward: reload, recompute, back-propagate."""
+
+    @staticmethod
+    def forward(ctx, call: _Call, dummy: torch.Tensor, *grad_tensors: torch.Tensor):
+        ctx.set_materialize_grads(False)
+        manager = call.manager
+        leaves = list(call.leaves)
+        if call.offload_leaf is not None:
+            call.entry = manager.save(call.leaves[call.offload_leaf], call.trace_layer)
+            call.leaves[call.offload_leaf] = None   # keep no reference: the GPU copy is freed after this layer
+        grad_mode = manager.forward_grad and _saved_hooks_allowed()
+        if grad_mode:
+            # Same requires_grad flags as in the original graph (detached: this graph is thrown away).
+            detached: dict[int, torch.Tensor] = {}
+            for i in call.grad_leaves:
+                t = leaves[i]
+                leaves[i] = detached.setdefault(id(t), t.detach().requires_grad_(True))
+        args, kwargs = pytree.tree_unflatten(leaves, call.spec)
+        del leaves
+        trace = manager.ops.trace
+        t0 = trace.mark() if trace else None
+        if grad_mode:
+            # Grad mode ON, as in standard (non-reentrant) checkpointing and in plain training: kernels whose choice
+            # can depend on it (SDPA's backend and variant: with or without the log-sum-exp) are the same ones, so
+            # the offloaded forward computes the same bits. Nothing is kept: every tensor autograd would save is
+            # dropped by the pack hook, and the outputs are detached from this throw-away graph.
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_discard_saved, _never_unpacked):
+                out = call.fn(*call.fn_args, *args, **kwargs)
+            out = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), out)
+        else:
+            out = call.fn(*call.fn_args, *args, **kwargs)   # grad mode is off inside Function.forward
+        if trace:
+            trace.add("fwd", "compute", call.trace_layer, call.entry.seq if call.entry else -1, t0, trace.mark())
+        del args, kwargs
+        ctx.call = call
+        return out
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        call: _Call | None = ctx.call
+        if call is None:
+            raise RuntimeError(
+                "offloaded checkpointing: backward ran twice through the same layer (retain_graph=True is not "
+                "supported); use standard checkpointing for double backward.")
+        ctx.call = None
+        manager = call.manager
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(
+                "offloaded checkpointing is not compatible with torch.autograd.grad() or backward(inputs=...): "
+                "parameter gradients are accumulated into .grad by a nested backward. Use loss.backward().")
+        leaves = list(call.leaves)
+        slot = None
+        if call.entry is not None:
+            x, slot = manager.begin_backward(call.entry)
+            leaves[call.offload_leaf] = x
+        trace = manager.ops.trace
+        t0 = trace.mark() if trace else None
+        try:
+            grad_leaf_tensors = _recompute_and_backward(call, leaves, grad_outputs)
+        finally:
+            if slot is not None:
+                # After the layer's nested backward has been issued (it reads autograd's saved views of the staged
+                # input) -- and also when it failed, so that the slot's next copy waits for whatever was issued.
+                manager.end_backward(slot, call.entry)
+        del leaves
+        if trace:
+            trace.add("bwd", "compute", call.trace_layer, call.entry.seq if call.entry else -1, t0, trace.mark())
+        seen: set[int] = set()
+        grads = []
+        for d in grad_leaf_tensors:
+            # a tensor that appears twice gets its summed gradient once (autograd adds the None of the other)
+            grads.append(None if id(d) in seen else d.grad)
+            seen.add(id(d))
+        return (None, None, *grads)
+
+
+def offloaded_checkpoint(function: Callable, *args, manager: OffloadManager, layer_index: int = -1,
+                         module: nn.Module | None = None, preserve_rng_state: bool | None = None,
+                         **checkpoint_kwargs) -> Any:
+    """Checkpoint ``function(*args)`` with its first positional tensor offloaded to the manager's pinned pool.
+
+    A drop-in for ``torch.utils.checkpoint.checkpoint`` as transformers calls it
+    (``function = partial(layer.__call__, **kwargs)``); ``checkpoint_kwargs`` such as ``use_reentrant`` are
+    accepted and ignored. Without grad (eval, ``torch.no_grad``) the function just runs: nothing is offloaded.
+
+    Args:
+        function: the layer call; a ``functools.partial`` whose keyword tensors that require grad get gradients.
+        manager: the :class:`OffloadManager` holding the pool and buffers.
+        layer_index: the decoder layer's index (for traces).
+        module: the layer, to tell whether it has trainable parameters (LoRA) when no input requires grad.
+    """
+    if not torch.is_grad_enabled():
+        return function(*args)
+    fn, fn_args, keywords = function, (), {}
+    if isinstance(function, functools.partial):
+        fn, fn_args, keywords = function.func, function.args, dict(function.keywords)
+    leaves, spec = pytree.tree_flatten((list(args), keywords))
+    grad_leaves = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    params_need_grad = module is None or any(p.requires_grad for p in module.parameters())
+    if not grad_leaves and not params_need_grad:
+        return function(*args)   # nothing in this layer needs a gradient: no graph, nothing to offload
+    offload_leaf = None
+    if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point() \
+            and args[0].device == manager.device and args[0].numel() > 0:
+        offload_leaf = 0   # args are flattened first: leaf 0 is the first positional argument (hidden_states)
+    preserve = manager.preserve_rng_state if preserve_rng_state is None else preserve_rng_state
+    call = _Call(manager=manager, fn=fn, fn_args=fn_args, leaves=leaves, spec=spec, offload_leaf=offload_leaf,
+                 grad_leaves=grad_leaves, entry=None, trace_layer=layer_index,
+                 autocast=_autocast_state(manager.device.type))
+    if preserve:
+        call.cpu_rng = torch.get_rng_state()
+        if manager.cuda:
+            call.dev_rng = torch.cuda.get_rng_state(manager.device)
+    # A zero-size dummy that requires grad keeps the output in the graph when no input requires grad (the first
+    # layer under LoRA): the backward still runs and reaches the adapters inside. Reentrant torch checkpoint
+    # silently drops those gradients.
+    dummy = torch.empty((0,), requires_grad=True)
+    grad_tensors = [leaves[i] for i in grad_leaves]
+    del args
+    return _OffloadedLayer.apply(call, dummy, *grad_tensors)
+
+
+class LayerCheckpointFunc:
+    """What a decoder layer's ``_gradient_checkpointing_func`` is set to: the offloaded checkpoint of that layer."""
+
+    def __init__(self, manager: OffloadManager, layer_index: int, layer: nn.Module):
+        self.manager = manager
+        self.layer_index = layer_index
+        self._layer = weakref.ref(layer)
+
+    def __call__(self, function: Callable, *args, **checkpoint_kwargs):
+        return offloaded_checkpoint(function, *args, manager=self.manager, layer_index=self.layer_index,
+                                    module=self._layer(), **checkpoint_kwargs)
+
+    def __repr__(self) -> str:
+        m = self.manager
+        return (f"OffloadedCheckpoint(layer={self.layer_index}, buffers={m.buffers}, prefetch={m.prefetch}, "
+                f"device={m.device})")
+
+
+__all__ = ["offloaded_checkpoint", "LayerCheckpointFunc"]

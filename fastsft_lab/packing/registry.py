@@ -1,0 +1,185 @@
+"""One registry of packed-attention backends, and the attention function transformers calls for all of them.
+
+A backend is one record (:class:`Backend`): the name it is registered under in transformers' ``AttentionInterface``,
+how the cached path builds its metadata object once per batch, how the naive path rebuilds it in every layer
+(and which host syncs that costs), the kernel, and where it runs. Each backend lives in one file of
+``fastsft_lab/packing/backends/`` and calls :func:`register_backend` once, at import; adding a backend is one such
+file and one line in ``backends/__init__.py``. :func:`packed_attention` is the whole dispatch.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .metadata import PackedMetadata, norm_window
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """Whether a backend runs on a device: ``available`` (forward), ``training`` (backward too), and why.
+
+    Unpacks as ``available, reason = status`` (what ``python -m fastsft_lab info`` prints).
+    """
+
+    name: str
+    available: bool
+    training: bool
+    reason: str
+
+    def __iter__(self):
+        return iter((self.available, self.reason))
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """What a layer's metadata object depends on besides the batch: device, dtype, window, sink layout."""
+
+    device: torch.device
+    dtype: torch.dtype
+    window: int | None     # normalised: None when it covers the whole row
+    sink: bool = False     # the layer has attention sinks (GPT-OSS): some backends build another layout
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One packed-attention backend.
+
+    Attributes:
+        name: the user-facing name (``"sdpa"``, ``"varlen"``, ...).
+        attn_name: its name in transformers' ``AttentionInterface``. transformers reads meaning into substrings:
+            "sdpa" is refused by models without SDPA support (GPT-OSS), "flash" is treated as a flash-attention
+            request, "flex_attention" runs flex checks; so these names avoid them.
+        cached: ``(meta, spec) -> obj``: the fast path, built from the host lengths once per batch (cache it on
+            ``meta`` with :meth:`PackedMetadata.cached`).
+        naive: ``(position_ids, spec) -> obj``: the same object rebuilt from ``position_ids`` in a layer, as
+            per-layer code does (the "before").
+        naive_syncs: the host syncs ``naive`` pays per layer, in words.
+        kernel: ``(q, k, v, obj, *, scale, dropout, sinks, window, training) -> (out (B, T, H, D), weights)``.
+        status: ``(device) -> BackendStatus``.
+        description: one line for tables.
+    """
+
+    name: str
+    attn_name: str
+    cached: Callable[[PackedMetadata, MaskSpec], Any]
+    naive: Callable[[torch.Tensor, MaskSpec], Any]
+    naive_syncs: str
+    kernel: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+    status: Callable[[torch.device], BackendStatus]
+    description: str = ""
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+# Builds of backend objects by the naive path, per kind (tests count them; nothing reads them otherwise).
+NAIVE_BUILDS: Counter = Counter()
+
+
+def register_backend(backend: Backend) -> Backend:
+    """Add ``backend`` to the registry and to transformers' ``AttentionInterface`` (once per backend)."""
+    from transformers import AttentionInterface
+
+    if backend.name in _BACKENDS:
+        raise ValueError(f"packed-attention backend {backend.name!r} is registered already")
+    _BACKENDS[backend.name] = backend
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        return packed_attention(backend.name, module, query, key, value, attention_mask, **kwargs)
+
+    attention.__name__ = f"{backend.attn_name}_attention"
+    attention.__doc__ = f"Packed attention, backend {backend.name!r} (fastsft_lab.packing)."
+    AttentionInterface.register(backend.attn_name, attention)
+    _status.cache_clear()
+    return backend
+
+
+def backend_names() -> tuple[str, ...]:
+    return tuple(_BACKENDS)
+
+
+def get_backend(name: str) -> Backend:
+    """The registered backend ``name``; a one-line error lists the known ones."""
+    try:
+        return _BACKENDS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown packed-attention backend {name!r}; known: {', '.join(_BACKENDS)}") from None
+
+
+def attn_implementation_name(backend: str) -> str:
+    """The name ``backend`` is registered under in transformers' ``AttentionInterface`` (e.g. sdpa ->
+    ``fastsft_dense``); usable as ``attn_implementation=`` in ``from_pretrained``."""
+    return get_backend(backend).attn_name
+
+
+@functools.lru_cache(maxsize=8)
+def _status(device_type: str) -> dict[str, BackendStatus]:
+    device = torch.device(device_type)
+    return {name: b.status(device) for name, b in _BACKENDS.items()}
+
+
+def available_backends(device: torch.device | str | None = None) -> dict[str, BackendStatus]:
+    """Which packed-attention backends run on ``device`` (default: CUDA if present), with the reason for each."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return dict(_status(torch.device(device).type))
+
+
+def prepare_metadata(meta: PackedMetadata, device, *, backend: str, dtype: torch.dtype = torch.float32,
+                     windows=(None,), sink: bool = False) -> PackedMetadata:
+    """Build every object ``backend`` will ask ``meta`` for (the oracle does this outside the timed region)."""
+    b = get_backend(backend)
+    meta.tensors(device)
+    for w in windows:
+        b.cached(meta, MaskSpec(torch.device(device), dtype, norm_window(w, meta.row_tokens), sink))
+    return meta
+
+
+# --- the attention function transformers calls --------------------------------------------------------------------
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=4)
+
+
+def packed_attention(name: str, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     sliding_window: int | None = None, s_aux: torch.Tensor | None = None,
+                     packed_metadata: PackedMetadata | None = None, position_ids: torch.Tensor | None = None,
+                     **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One attention layer over packed rows. query (B, H, T, D), key/value (B, Hkv, T, D) -> (B, T, H, D)."""
+    backend = get_backend(name)
+    b, h, t, d = query.shape
+    if key.shape[2] != t:
+        raise RuntimeError(f"packed attention is for training and prefill: got {t} queries but {key.shape[2]} keys "
+                           "(a KV cache). Call disable_packed_attention(model) before generate().")
+    state = getattr(module, "_fastsft_packed_state", None)
+    cache = state.cache if state is not None else True
+    if cache and packed_metadata is None:
+        # Only without enable_packed_attention (the name set by hand): nothing built the metadata for this step.
+        _warn_once("no-meta", "fastsft packed attention got no packed_metadata: rebuilding it in every layer (the "
+                              "naive path). Call enable_packed_attention(model) or pass packed_metadata=.")
+        cache = False
+    spec = MaskSpec(query.device, query.dtype, norm_window(sliding_window, t), s_aux is not None)
+    if cache:
+        packed_metadata.check_shape(b, t)
+        obj = backend.cached(packed_metadata, spec)
+    elif position_ids is None:
+        raise ValueError("the naive packed path rebuilds the metadata from position_ids, and the layer got none")
+    else:
+        obj = backend.naive(position_ids.expand(b, t), spec)
+    return backend.kernel(query, key, value, obj, scale=float(scaling) if scaling is not None else d ** -0.5,
+                          dropout=dropout if module.training else 0.0, sinks=s_aux, window=spec.window,
+                          training=module.training)
+
+
+__all__ = ["Backend", "BackendStatus", "NAIVE_BUILDS", "MaskSpec", "register_backend", "get_backend", "backend_names",
+           "attn_implementation_name", "available_backends", "prepare_metadata", "packed_attention"]
