@@ -15,7 +15,9 @@ import time
 
 import torch
 
-from fastsft_lab import packed as P
+from fastsft_lab import packing as P
+from fastsft_lab.evidence import packed_vs_alone
+from fastsft_lab.packing.backends import eager as E, flex as FX
 from fastsft_lab.data import pack_examples, synthetic_corpus, unpack
 from fastsft_lab.models import LoraSettings, build_model
 
@@ -67,27 +69,25 @@ def flips(model, b):
 def flex_layer_errors(model, b):
     from torch.nn.attention.flex_attention import create_mask
 
-    from fastsft_lab.attention import kernels as K
-
-    errs, orig = [], P.flex_attention_packed
+    errs, orig = [], FX.flex_attention_packed
 
     def wrapped(q, k, v, block_mask, *, scale, sinks=None):
         out = orig(q, k, v, block_mask, scale=scale, sinks=sinks)
         t, tp = q.shape[2], block_mask.seq_lengths[0]
         allowed = create_mask(block_mask.mask_mod, q.shape[0], 1, tp, tp, q.device)[..., :t, :t]
         mask = torch.zeros(allowed.shape, device=q.device).masked_fill(~allowed, float("-inf"))
-        ref = K.eager_attention(q.float(), k.float(), v.float(), mask, scale=scale,
+        ref = E.eager_attention(q.float(), k.float(), v.float(), mask, scale=scale,
                                 sinks=None if sinks is None else sinks.float())[0]
         errs.append((t, (out.float() - ref).abs().max().item(), ref.abs().max().item()))
         return out
 
-    P.flex_attention_packed = wrapped
+    FX.flex_attention_packed = wrapped
     try:
         with torch.no_grad():
             inputs = P.packed_inputs(b)
             model(**{k: v for k, v in inputs.items() if k != "labels"})
     finally:
-        P.flex_attention_packed = orig
+        FX.flex_attention_packed = orig
     return errs
 
 
@@ -104,7 +104,7 @@ def gpt_oss():
                 with torch.no_grad():
                     scale = max(model(input_ids=s.input_ids).logits.abs().max().item() for s in unpack(b))
                 P.enable_packed_attention(model, backend)
-                d = P.packed_vs_alone(model, b)
+                d = packed_vs_alone(model, b)
                 line = (f"{str(dtype):15} {backend:7} packed-vs-alone {d:.4g} (allowed {3e-2 * scale + 3e-2:.4g}, "
                         f"logit scale {scale:.3g}); tokens with other experts: {flips(model, b)}")
                 if backend == "flex":

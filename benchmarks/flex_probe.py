@@ -12,8 +12,8 @@ import traceback
 import torch
 import torch.utils.checkpoint as cp
 
-from fastsft_lab.attention import kernels as K
-from fastsft_lab.attention.metadata import PackedMetadata
+from fastsft_lab.packing import PackedMetadata
+from fastsft_lab.packing.backends import flex as FX
 from fastsft_lab.data import benchmark_batches
 
 
@@ -25,10 +25,10 @@ def case(tokens: int, checkpointed: bool, sinks: bool) -> str:
     k = torch.randn(1, 8, tokens, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
     v = torch.randn(1, 8, tokens, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
     s = torch.zeros(40, device="cuda", dtype=torch.bfloat16, requires_grad=True) if sinks else None
-    bm = meta.block_mask("cuda")
+    bm = FX.block_mask(meta, "cuda")
 
     def f(q, k, v):
-        return K.flex_attention_packed(q, k, v, bm, scale=128 ** -0.5, sinks=s)
+        return FX.flex_attention_packed(q, k, v, bm, scale=128 ** -0.5, sinks=s)
 
     t = time.time()
     try:

@@ -6,6 +6,7 @@ import datetime as _dt
 import importlib
 import os
 import platform
+from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +26,62 @@ def smoke_mode() -> bool:
         if value is not None and value != "":
             return value.strip().lower() not in ("0", "false", "no", "off")
     return not has_cuda()
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What a notebook or script can run here: the GPU's name, capability and memory, and the choices they imply.
+
+    Attributes:
+        device: ``"cuda"`` or ``"cpu"``.
+        name: the GPU's name (``"CPU"`` without one).
+        capability: CUDA compute capability, e.g. (7, 5) for a T4, (8, 9) for an L4, (9, 0) for an H100/H200.
+        memory_gib: GPU memory (0 on a CPU).
+        unified_memory: an integrated GPU sharing host memory (DGX Spark, Jetson): offloading copies to "host"
+            memory there move nothing and only cost time, so notebooks skip the double buffer's benchmark.
+        dtype: bfloat16 from sm80 (Ampere) on, float16 below (T4), float32 on a CPU.
+        flash: torch's flash kernels (the varlen backend) and compiled flex attention need sm80+.
+    """
+
+    device: str
+    name: str
+    capability: tuple[int, int] | None
+    memory_gib: float
+    unified_memory: bool
+    dtype: torch.dtype
+    flash: bool
+
+    @property
+    def packed_backends(self) -> list[str]:
+        """Packed-attention backends that train here, fastest first (sdpa everywhere; varlen and flex on sm80+)."""
+        return ["varlen", "sdpa", "flex"] if self.flash else ["sdpa"]
+
+    def pick(self, sizes: dict[str, float]) -> str | None:
+        """The first preset of ``{preset: GiB it needs}`` (largest first) that fits in this GPU's memory."""
+        for preset, need in sizes.items():
+            if need <= self.memory_gib:
+                return preset
+        return None
+
+    def describe(self) -> str:
+        if self.device != "cuda":
+            return "CPU: smoke sizes, float32"
+        sm = "".join(map(str, self.capability))
+        unified = ", unified memory" if self.unified_memory else ""
+        return (f"{self.name} (sm{sm}, {self.memory_gib:.0f} GiB{unified}): {str(self.dtype).replace('torch.', '')}, "
+                f"packed backends {', '.join(self.packed_backends)}")
+
+
+def device_profile(device: torch.device | str | None = None) -> DeviceProfile:
+    """The :class:`DeviceProfile` of ``device`` (default: the current CUDA device, else the CPU)."""
+    device = torch.device(device) if device is not None else default_device()
+    if device.type != "cuda":
+        return DeviceProfile("cpu", "CPU", None, 0.0, False, torch.float32, False)
+    props = torch.cuda.get_device_properties(device)
+    cap = (props.major, props.minor)
+    sm80 = cap >= (8, 0)
+    return DeviceProfile("cuda", props.name, cap, props.total_memory / 2**30, bool(getattr(props, "is_integrated", 0)),
+                         torch.bfloat16 if sm80 else torch.float16, sm80)
 
 
 def _version(module: str) -> str | None:
