@@ -99,7 +99,9 @@ def cross_contamination(model: nn.Module, batch: PackedBatch, *, attention_mask_
 def _grads_of_step(model: nn.Module, inputs: dict, seed: int) -> tuple[torch.Tensor, dict]:
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
-    loss = model(**inputs).loss
+    # use_cache=False as in training (build_model sets it): a KV cache built in the reference forward, and not under
+    # checkpointing (transformers turns it off there), would make the two runs compute different things
+    loss = model(**{**inputs, "use_cache": False}).loss
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)

@@ -59,7 +59,9 @@ def _is_bool_index(indices) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
 
 
-class _SyncMode(TorchDispatchMode):
+class SyncCountingMode(TorchDispatchMode):
+    """The dispatch mode behind :class:`SyncCounter` (flex attention steps outside it: see the flex backend)."""
+
     def __init__(self, counter: "SyncCounter"):
         super().__init__()
         self.counter = counter
@@ -179,7 +181,7 @@ class SyncCounter:
         self.cuda_reported: int | None = None
         self._stack: list[str] = []
         self._hooks: list = []
-        self._mode: _SyncMode | None = None
+        self._mode: SyncCountingMode | None = None
         self._warn_ctx = None
         self._warn_log: list | None = None
         self._prev_debug_mode = None
@@ -244,7 +246,7 @@ class SyncCounter:
         if not _ACTIVE:
             _install_python_hooks()
         _ACTIVE.append(self)
-        self._mode = _SyncMode(self)
+        self._mode = SyncCountingMode(self)
         self._mode.__enter__()
         if self.cross_check:
             self._warn_ctx = warnings.catch_warnings(record=True)
@@ -442,5 +444,5 @@ def profile(fn: Callable[[], object], *, steps: int = 1, trace_path: str | None 
     return ProfileResult(table=table, trace_path=trace_path, top_ops=top_ops)
 
 
-__all__ = ["SyncCounter", "SyncReport", "count_syncs", "PhaseTimer", "time_ms", "reset_peak_memory", "peak_memory",
+__all__ = ["SyncCounter", "SyncCountingMode", "SyncReport", "count_syncs", "PhaseTimer", "time_ms", "reset_peak_memory", "peak_memory",
            "percentiles", "host_device_timeline", "profile", "ProfileResult"]

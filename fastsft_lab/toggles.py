@@ -69,7 +69,7 @@ def apply(
         if packed_attention is None and packed_attention_state(model) is None:
             raise ValueError("packed_metadata_cache needs packed_attention=<backend> (now or in an earlier apply)")
     if offload_buffers is not None:
-        if isinstance(offload_buffers, bool) or offload_buffers not in (0, 1, 2):
+        if isinstance(offload_buffers, bool) or not isinstance(offload_buffers, int) or offload_buffers not in (0, 1, 2):
             raise ValueError(f"offload_buffers must be 0 (standard checkpointing), 1 or 2, got {offload_buffers!r}")
         if offload_buffers:
             _check_buffers(offload_buffers, prefetch)

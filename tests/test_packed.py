@@ -282,8 +282,161 @@ def test_kv_cache_is_refused_clearly():
     k = torch.randn(1, 2, 5, 16)
     from fastsft_lab.packing.registry import packed_attention
 
-    with pytest.raises(RuntimeError, match="generate"):
+    with pytest.raises(RuntimeError, match="KV cache"):
         packed_attention("sdpa", torch.nn.Module(), q, k, k, None, packed_metadata=PackedMetadata.from_lengths([1]))
+
+
+# --- no silent wrong answers: what the kernels do not implement is refused -----------------------------------------
+def _family(name: str, **extra):
+    """A tiny model of a family that is not a preset, built with plain transformers (random weights, float32)."""
+    import transformers
+
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
+           "mixtral": transformers.MixtralConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
+           "gemma3": transformers.Gemma3TextConfig, "olmo2": transformers.Olmo2Config,
+           "gemma2": transformers.Gemma2Config}[name]
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=256, max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    if name in ("mistral", "qwen2", "mixtral", "gemma3", "gemma2"):
+        kw["sliding_window"] = 8                     # small, so that the test sequences cross it
+    if name in ("qwen2",):
+        kw["use_sliding_window"] = True
+    if name in ("gemma3", "gemma2", "qwen3_moe"):
+        kw["head_dim"] = 16
+    if name in ("mixtral", "qwen3_moe"):
+        kw.update(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    kw.update(extra)
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(cls(**kw), dtype=torch.float32, attn_implementation="eager")
+    model.config.use_cache = False
+    return model.eval()
+
+
+SUPPORTED_FAMILIES = ["llama", "mistral", "qwen2", "mixtral", "qwen3_moe", "gemma3", "olmo2"]
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "varlen"])
+@pytest.mark.parametrize("family", SUPPORTED_FAMILIES)
+def test_families_that_are_not_presets_packed_equals_alone(family, backend):
+    model = _family(family)
+    batch = make_batch()
+    with torch.no_grad():
+        alone = [model(input_ids=s.input_ids).logits[0] for s in unpack(batch)]
+    for cache in (True, False):
+        enable_packed_attention(model, backend, cache=cache)
+        try:
+            with torch.no_grad():
+                packed = model(**{k: v for k, v in packed_inputs(batch).items() if k != "labels"}).logits
+        finally:
+            disable_packed_attention(model)
+        for s, ref in zip(unpack(batch), alone):
+            torch.testing.assert_close(packed[s.row, s.start:s.start + s.length], ref, rtol=1e-5, atol=1e-5,
+                                       msg=f"{family} {backend} cache={cache}")
+
+
+def test_softcapping_is_refused_not_dropped():
+    model = _family("gemma2", attn_logit_softcapping=1.0)
+    with pytest.raises(NotImplementedError, match="softcapping"):
+        enable_packed_attention(model, "sdpa")
+    with pytest.raises(NotImplementedError, match="softcapping"):
+        __import__("fastsft_lab").apply(model, packed_attention="varlen")
+    assert packed_attention_state(model) is None
+    # set by hand (attn_implementation=the registered name): the layer's softcap kwarg is refused at the call
+    model.set_attn_implementation(ATTN_NAMES["sdpa"])
+    with pytest.raises(NotImplementedError, match="softcap"):
+        with torch.no_grad():
+            model(**{k: v for k, v in packed_inputs(make_batch()).items() if k != "labels"})
+    # without softcapping, Gemma2 works like any other family
+    plain = _family("gemma2", attn_logit_softcapping=None, final_logit_softcapping=None)
+    enable_packed_attention(plain, "sdpa")
+    disable_packed_attention(plain)
+
+
+def test_an_unknown_attention_argument_is_refused():
+    from fastsft_lab.packing.registry import packed_attention
+
+    q = torch.randn(1, 2, 4, 8)
+    meta = PackedMetadata.from_lengths([2, 2])
+    out, _ = packed_attention("sdpa", torch.nn.Module(), q, q, q, None, packed_metadata=meta, use_cache=False)
+    assert out.shape == (1, 4, 2, 8)
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        packed_attention("sdpa", torch.nn.Module(), q, q, q, None, packed_metadata=meta, alibi_slopes=torch.ones(2))
+    with pytest.raises(NotImplementedError, match="non-causal"):
+        packed_attention("sdpa", torch.nn.Module(), q, q, q, None, packed_metadata=meta, is_causal=False)
+
+
+def _first_rows(batch):
+    return {k: v for k, v in packed_inputs(batch).items() if k != "labels"}
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "varlen"])
+def test_metadata_of_another_batch_is_refused(backend):
+    model = make_model("tiny-qwen3")
+    a, b = make_batch(seed=1), make_batch(seed=2)
+    assert a.shape == b.shape and a.seq_lengths != b.seq_lengths
+    enable_packed_attention(model, backend)
+    try:
+        with torch.no_grad():
+            model(**_first_rows(a))                                     # its own metadata: fine
+            with pytest.raises(RuntimeError, match="does not describe this batch"):
+                model(**{**_first_rows(a), "packed_metadata": PackedMetadata.from_batch(b)})
+    finally:
+        disable_packed_attention(model)
+
+
+def test_metadata_without_position_ids_supplies_them():
+    model = make_model("tiny-qwen3")
+    batch = make_batch()
+    enable_packed_attention(model, "sdpa")
+    try:
+        with torch.no_grad():
+            full = model(**_first_rows(batch)).logits
+            inputs = _first_rows(batch)
+            del inputs["position_ids"]
+            assert torch.equal(model(**inputs).logits, full)
+    finally:
+        disable_packed_attention(model)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "varlen", "eager"])
+def test_position_ids_that_do_not_start_at_zero_are_refused_by_every_path(backend):
+    model = make_model("tiny-qwen3")
+    ids = torch.randint(4, 200, (1, 9))
+    pos = torch.tensor([[5, 6, 7, 8, 0, 1, 2, 0, 1]])
+    for cache in (True, False):
+        enable_packed_attention(model, backend, cache=cache)
+        try:
+            with torch.no_grad(), pytest.raises(RuntimeError, match="restart at 0"):
+                model(input_ids=ids, position_ids=pos)
+        finally:
+            disable_packed_attention(model)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_generate_with_packed_attention_on_equals_the_unpatched_model(preset):
+    model = make_model(preset)
+    prompt = torch.randint(4, 200, (2, 7))
+    mask = torch.ones_like(prompt)
+    mask[1, :3] = 0                                                     # left padding, as batched generation pads
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, attention_mask=mask, use_cache=True)
+    ref = model.generate(prompt, **kw)
+    enable_packed_attention(model, "sdpa")
+    try:
+        batch = make_batch()
+        model.train()
+        model(**packed_inputs(batch)).loss.backward()                   # a packed training step, then sampling
+        model.eval()
+        assert torch.equal(model.generate(prompt, **kw), ref)
+        assert torch.equal(model.generate(prompt, **{**kw, "use_cache": False}), ref)
+        model.train()
+        model(**packed_inputs(batch)).loss.backward()                   # and training again, nothing switched
+        assert packed_attention_state(model)["attn_implementation"] == ATTN_NAMES["sdpa"]
+    finally:
+        disable_packed_attention(model)
+        model.zero_grad(set_to_none=True)
+    assert "generate" not in base_model(model).__dict__
 
 
 # --- the cross-contamination pitfall of stock transformers --------------------------------------------------------
@@ -1025,3 +1178,23 @@ def test_packed_vs_alone_moe_sees_every_layers_routing():
     assert all(r.shape == (batch.input_ids.numel(), model.config.num_experts_per_tok) for r in routes)
     diff, rerouted, total = packed_vs_alone_moe(model, batch)
     assert rerouted == 0 and total == sum(s.length for s in unpack(batch)) and diff < 1e-5
+
+
+def test_flex_refuses_a_foreign_dispatch_mode_and_keeps_working():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Tracer(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    meta = PackedMetadata.from_lengths([[64, 64]])
+    q = torch.randn(1, 2, 128, 16)
+    bm = FX.block_mask(meta, "cpu")
+    with torch.no_grad():
+        ref = FX.flex_attention_packed(q, q, q, bm, scale=0.25)
+        with Tracer(), pytest.raises(RuntimeError, match="cannot run under the TorchDispatchMode Tracer"):
+            FX.flex_attention_packed(q, q, q, bm, scale=0.25)
+        with SyncCounter(device="cpu") as c:                         # ours is handled
+            got = FX.flex_attention_packed(q, q, q, bm, scale=0.25)
+        assert torch.equal(got, ref) and c.total == 0
+        assert torch.equal(FX.flex_attention_packed(q, q, q, bm, scale=0.25), ref)   # flex still works afterwards

@@ -76,3 +76,49 @@ def test_public_api_is_lazy_and_complete():
         assert getattr(fastsft_lab, name).__name__ == f"fastsft_lab.{name}"
     with pytest.raises(AttributeError):
         fastsft_lab.not_a_module  # noqa: B018
+
+
+def test_revert_turns_off_the_checkpointing_apply_turned_on():
+    model = build_model("tiny-qwen3", device="cpu", dtype=torch.float32, lora=LoraSettings(rank=4))
+    before = [dict(layer.__dict__) for layer in decoder_layers(model)]
+    assert fastsft_lab.state(model).checkpointing == "none"
+    assert fastsft_lab.apply(model, offload_buffers=0).checkpointing == "standard"
+    assert fastsft_lab.apply(model, offload_buffers=2).checkpointing == "offload"
+    assert fastsft_lab.apply(model, offload_buffers=0).checkpointing == "standard"
+    assert fastsft_lab.revert(model).checkpointing == "none"
+    assert [dict(layer.__dict__) for layer in decoder_layers(model)] == before
+
+
+@pytest.mark.parametrize("stock", ["eager", "grouped_mm", "batched_mm"])
+def test_revert_restores_the_experts_after_a_stock_name(moe_model, stock):
+    original = fastsft_lab.models.base_model(moe_model).config._experts_implementation
+    state = fastsft_lab.apply(moe_model, moe_routing=stock)
+    assert state.moe_routing == stock
+    fastsft_lab.apply(moe_model, moe_routing="grouped")
+    assert fastsft_lab.revert(moe_model).moe_routing is None
+    assert fastsft_lab.models.base_model(moe_model).config._experts_implementation == original
+
+
+def test_apply_validates_everything_before_changing_anything():
+    dense = build_model("tiny-qwen3", device="cpu", dtype=torch.float32)
+    with pytest.raises(ValueError, match="no mixture-of-experts layers"):
+        fastsft_lab.apply(dense, packed_attention="varlen", moe_routing="sync_free")
+    assert fastsft_lab.state(dense) == fastsft_lab.ModelState()          # nothing was switched on
+    with pytest.raises(ValueError, match="unknown packed-attention backend 'turbo'; known: sdpa"):
+        fastsft_lab.apply(dense, packed_attention="turbo", offload_buffers=2)
+    assert fastsft_lab.state(dense) == fastsft_lab.ModelState()
+    with pytest.raises(TypeError, match="nn.Module"):
+        fastsft_lab.apply("qwen3-14b", packed_attention="sdpa")
+    with pytest.raises(ValueError, match="not a transformers causal LM"):
+        fastsft_lab.apply(torch.nn.Linear(4, 4), packed_attention="sdpa")
+
+
+@pytest.mark.parametrize("bad", [True, 2.0, "2", 3, 0])
+def test_offload_buffers_must_be_the_int_1_or_2(bad):
+    model = build_model("tiny-qwen3", device="cpu", dtype=torch.float32)
+    with pytest.raises(ValueError, match="buffers must be 1"):
+        fastsft_lab.offload.enable_offloaded_checkpointing(model, buffers=bad)
+    if bad != 0:
+        with pytest.raises(ValueError, match="offload_buffers must be 0"):
+            fastsft_lab.apply(model, offload_buffers=bad)
+    assert fastsft_lab.state(model).checkpointing == "none"

@@ -12,9 +12,10 @@ kwarg (rotary cos/sin, masks, optimization 1's ``packed_metadata``) for the reco
   with grad -- RNG state and autocast state replayed as ``torch.utils.checkpoint`` does -- and back-propagated by a
   nested ``torch.autograd.backward``; then the slot is released (:meth:`OffloadManager.end_backward`).
 
-The backward has the semantics of *reentrant* checkpointing: the layer's parameter gradients are accumulated into
-``.grad`` by the nested backward. Unlike torch's reentrant checkpoint, gradients reach LoRA parameters even when the
-layer input does not require grad (a zero-size dummy input keeps the output in the graph).
+The layer's trainable parameters are inputs of its autograd node: the recompute's ``torch.autograd.grad`` returns
+their gradients and autograd's engine routes them as for any other layer, so ``loss.backward()``,
+``torch.autograd.grad(loss, params)`` and ``loss.backward(inputs=...)`` all work. Unlike torch's reentrant checkpoint,
+gradients reach LoRA parameters even when the layer input does not require grad.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class _Call:
     grad_leaves: list[int]
     entry: Entry | None
     trace_layer: int
+    params: list | None = None          # the layer's trainable parameters (None: a bare function)
     cpu_rng: torch.Tensor | None = None
     dev_rng: torch.Tensor | None = None
     autocast: tuple = field(default_factory=tuple)
@@ -78,11 +80,18 @@ def _saved_hooks_allowed() -> bool:
     return probe() if probe is not None else True
 
 
-def _recompute_and_backward(call: _Call, leaves: list, grad_outputs: tuple) -> list[torch.Tensor]:
-    """Recompute the layer with grad from ``leaves`` (the staged input in place) and back-propagate through it."""
+def _recompute_and_backward(call: _Call, leaves: list, grad_outputs: tuple, params: list[torch.Tensor] | None,
+                            need_leaves: list[bool], need_params: list[bool]) -> tuple[list, list]:
+    """Recompute the layer with grad from ``leaves`` (the staged input in place) and back-propagate through it.
+
+    Returns the gradients of the leaves that require grad and, when the layer's parameters are known (``params``),
+    of those parameters: autograd's own engine then accumulates them (``loss.backward()``), returns them
+    (``torch.autograd.grad``) or drops them (``backward(inputs=...)``), as for any other layer. Without ``params``
+    (a bare function), a nested ``backward`` accumulates parameter gradients into ``.grad`` (reentrant semantics).
+    """
     manager = call.manager
-    # Detached leaves that require grad: their .grad is what we return. The same tensor object in two places
-    # maps to one detached tensor, so its gradient is summed as in the original graph.
+    # Detached leaves that require grad. The same tensor object in two places maps to one detached tensor, so its
+    # gradient is summed as in the original graph.
     detached: dict[int, torch.Tensor] = {}
     for i in call.grad_leaves:
         t = leaves[i]
@@ -108,9 +117,32 @@ def _recompute_and_backward(call: _Call, leaves: list, grad_outputs: tuple) -> l
     outs = out if isinstance(out, tuple) else (out,)
     pairs = [(o, g) for o, g in zip(outs, grad_outputs)
              if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
-    if pairs:
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-    return grad_leaf_tensors
+    if params is None:
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        seen: set[int] = set()
+        leaf_grads = []
+        for d in grad_leaf_tensors:
+            # a tensor that appears twice gets its summed gradient once (autograd adds the None of the other)
+            leaf_grads.append(None if id(d) in seen else d.grad)
+            seen.add(id(d))
+        return leaf_grads, []
+    wanted: list[torch.Tensor] = []
+    seen_ids: set[int] = set()
+    for d, need in zip(grad_leaf_tensors, need_leaves):
+        if need and id(d) not in seen_ids:
+            wanted.append(d)
+            seen_ids.add(id(d))
+    wanted += [p for p, need in zip(params, need_params) if need]
+    grads: dict[int, torch.Tensor | None] = {}
+    if pairs and wanted:
+        got = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+        grads = {id(t): g for t, g in zip(wanted, got)}
+    leaf_grads, given = [], set()
+    for d in grad_leaf_tensors:
+        leaf_grads.append(None if id(d) in given else grads.get(id(d)))
+        given.add(id(d))
+    return leaf_grads, [grads.get(id(p)) if need else None for p, need in zip(params, need_params)]
 
 
 class _OffloadedLayer(torch.autograd.Function):
@@ -118,6 +150,7 @@ class _OffloadedLayer(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, call: _Call, dummy: torch.Tensor, *grad_tensors: torch.Tensor):
+        # grad_tensors: the layer's inputs that require grad, then (when known) its trainable parameters
         ctx.set_materialize_grads(False)
         manager = call.manager
         leaves = list(call.leaves)
@@ -160,10 +193,14 @@ class _OffloadedLayer(torch.autograd.Function):
                 "supported); use standard checkpointing for double backward.")
         ctx.call = None
         manager = call.manager
-        if not torch.autograd._is_checkpoint_valid():
+        if call.params is None and not torch.autograd._is_checkpoint_valid():
             raise RuntimeError(
-                "offloaded checkpointing is not compatible with torch.autograd.grad() or backward(inputs=...): "
-                "parameter gradients are accumulated into .grad by a nested backward. Use loss.backward().")
+                "offloaded checkpointing of a bare function (no module given) is not compatible with "
+                "torch.autograd.grad() or backward(inputs=...): its parameter gradients are accumulated into .grad by "
+                "a nested backward. Pass module= (as the decoder-layer switch does), or use loss.backward().")
+        n_leaves = len(call.grad_leaves)
+        needs = ctx.needs_input_grad[2:]
+        need_leaves, need_params = list(needs[:n_leaves]), list(needs[n_leaves:])
         leaves = list(call.leaves)
         slot = None
         if call.entry is not None:
@@ -172,7 +209,8 @@ class _OffloadedLayer(torch.autograd.Function):
         trace = manager.ops.trace
         t0 = trace.mark() if trace else None
         try:
-            grad_leaf_tensors = _recompute_and_backward(call, leaves, grad_outputs)
+            leaf_grads, param_grads = _recompute_and_backward(call, leaves, grad_outputs, call.params, need_leaves,
+                                                              need_params)
         finally:
             if slot is not None:
                 # After the layer's nested backward has been issued (it reads autograd's saved views of the staged
@@ -181,13 +219,7 @@ class _OffloadedLayer(torch.autograd.Function):
         del leaves
         if trace:
             trace.add("bwd", "compute", call.trace_layer, call.entry.seq if call.entry else -1, t0, trace.mark())
-        seen: set[int] = set()
-        grads = []
-        for d in grad_leaf_tensors:
-            # a tensor that appears twice gets its summed gradient once (autograd adds the None of the other)
-            grads.append(None if id(d) in seen else d.grad)
-            seen.add(id(d))
-        return (None, None, *grads)
+        return (None, None, *leaf_grads, *param_grads)
 
 
 def offloaded_checkpoint(function: Callable, *args, manager: OffloadManager, layer_index: int = -1,
@@ -220,8 +252,9 @@ def offloaded_checkpoint(function: Callable, *args, manager: OffloadManager, lay
             and args[0].device == manager.device and args[0].numel() > 0:
         offload_leaf = 0   # args are flattened first: leaf 0 is the first positional argument (hidden_states)
     preserve = manager.preserve_rng_state if preserve_rng_state is None else preserve_rng_state
+    params = None if module is None else [p for p in module.parameters() if p.requires_grad]
     call = _Call(manager=manager, fn=fn, fn_args=fn_args, leaves=leaves, spec=spec, offload_leaf=offload_leaf,
-                 grad_leaves=grad_leaves, entry=None, trace_layer=layer_index,
+                 grad_leaves=grad_leaves, entry=None, trace_layer=layer_index, params=params,
                  autocast=_autocast_state(manager.device.type))
     if preserve:
         call.cpu_rng = torch.get_rng_state()
@@ -233,7 +266,7 @@ def offloaded_checkpoint(function: Callable, *args, manager: OffloadManager, lay
     dummy = torch.empty((0,), requires_grad=True)
     grad_tensors = [leaves[i] for i in grad_leaves]
     del args
-    return _OffloadedLayer.apply(call, dummy, *grad_tensors)
+    return _OffloadedLayer.apply(call, dummy, *grad_tensors, *(params or ()))
 
 
 class LayerCheckpointFunc:

@@ -150,6 +150,31 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, stacklevel=4)
 
 
+# Keyword arguments transformers' layers pass that change nothing here (bookkeeping of the model call, or the
+# flash-attention packing kwargs, which describe the same segments as packed_metadata / position_ids).
+IGNORED_KWARGS = frozenset({"use_cache", "output_attentions", "output_hidden_states", "output_router_logits",
+                            "return_dict", "cache_position", "num_items_in_batch", "cu_seq_lens_q", "cu_seq_lens_k",
+                            "max_length_q", "max_length_k", "position_embeddings"})
+
+
+def check_attention_kwargs(module: nn.Module, kwargs: dict) -> None:
+    """Refuse what the packed kernels do not implement instead of computing without it (no silent wrong answer)."""
+    softcap = kwargs.get("softcap")
+    if softcap is not None:
+        raise NotImplementedError(f"{type(module).__name__} asks for attention logit softcapping (softcap={softcap}), "
+                                  "which fastsft_lab's packed-attention kernels do not implement: use the model's own "
+                                  "attention (disable_packed_attention)")
+    if kwargs.get("is_causal", True) is False:
+        raise NotImplementedError(f"{type(module).__name__} asks for non-causal attention (is_causal=False); packed "
+                                  "attention is causal within each sequence")
+    unknown = sorted(k for k, v in kwargs.items() if k not in IGNORED_KWARGS and k not in ("softcap", "is_causal")
+                     and v is not None)
+    if unknown:
+        raise NotImplementedError(f"{type(module).__name__} passes attention argument(s) {', '.join(unknown)} that "
+                                  "fastsft_lab's packed attention does not know; refusing rather than ignoring them "
+                                  "(known and ignored: " + ", ".join(sorted(IGNORED_KWARGS)) + ")")
+
+
 def packed_attention(name: str, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                      sliding_window: int | None = None, s_aux: torch.Tensor | None = None,
@@ -157,10 +182,13 @@ def packed_attention(name: str, module: nn.Module, query: torch.Tensor, key: tor
                      **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One attention layer over packed rows. query (B, H, T, D), key/value (B, Hkv, T, D) -> (B, T, H, D)."""
     backend = get_backend(name)
+    check_attention_kwargs(module, kwargs)
     b, h, t, d = query.shape
     if key.shape[2] != t:
+        # enable_packed_attention routes generate() and calls with a KV cache to the model's own attention
         raise RuntimeError(f"packed attention is for training and prefill: got {t} queries but {key.shape[2]} keys "
-                           "(a KV cache). Call disable_packed_attention(model) before generate().")
+                           "(a KV cache that bypassed enable_packed_attention's routing). Call "
+                           "disable_packed_attention(model) for this call.")
     state = getattr(module, "_fastsft_packed_state", None)
     cache = state.cache if state is not None else True
     if cache and packed_metadata is None:
@@ -181,5 +209,5 @@ def packed_attention(name: str, module: nn.Module, query: torch.Tensor, key: tor
                           training=module.training)
 
 
-__all__ = ["Backend", "BackendStatus", "NAIVE_BUILDS", "MaskSpec", "register_backend", "get_backend", "backend_names",
+__all__ = ["Backend", "BackendStatus", "NAIVE_BUILDS", "IGNORED_KWARGS", "check_attention_kwargs", "MaskSpec", "register_backend", "get_backend", "backend_names",
            "attn_implementation_name", "available_backends", "prepare_metadata", "packed_attention"]

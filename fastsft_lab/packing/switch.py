@@ -12,6 +12,8 @@ Every switch returns :func:`fastsft_lab.state.state` of the model after the chan
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +31,9 @@ class _PackedState:
     backend: str
     cache: bool
     original_attn: Any
-    hook: Any = None
+    check_batch: bool = True
+    hooks: tuple = ()
+    generate: Any = None          # the instance's generate wrapper (removed on disable)
 
 
 def _inner_model(model: nn.Module) -> nn.Module:
@@ -37,47 +41,152 @@ def _inner_model(model: nn.Module) -> nn.Module:
     return getattr(inner, "model", inner)
 
 
-def _inject_metadata(state_: _PackedState):
-    """Forward pre-hook on the decoder stack: the cached path needs one PackedMetadata per step."""
+@contextlib.contextmanager
+def original_attention(model: nn.Module):
+    """Run the model's own attention implementation (the one it had before packed attention) inside the block:
+    generation with a KV cache, or any call that is not a packed training or prefill step."""
+    base = base_model(model)
+    st: _PackedState | None = getattr(base, "_fastsft_packed_state", None)
+    if st is None or base.config._attn_implementation == st.original_attn:
+        yield
+        return
+    ours = base.config._attn_implementation
+    base.config._attn_implementation = st.original_attn
+    try:
+        yield
+    finally:
+        base.config._attn_implementation = ours
 
-    def hook(module, args, kwargs):
-        if not state_.cache:
-            return None  # naive: each layer rebuilds from position_ids, by design
+
+def check_position_ids(position_ids: torch.Tensor) -> None:
+    """Every packed sequence must start at position 0 (a segment starts where the position does not go up by one).
+
+    Checked on the device with ``torch._assert_async``: no host sync (on CUDA a failure surfaces as a device-side
+    assert at the next sync; on a CPU it raises here). Otherwise the cached path (segments by position jumps) and the
+    naive per-layer paths (segments where the position is 0) would read different segments from the same ids.
+    """
+    pos = position_ids
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = (pos[:, 1:] - pos[:, :-1]) != 1
+    torch._assert_async(((pos == 0) | ~starts).all(),
+                        "packed position_ids must restart at 0 in every sequence (e.g. [0, 1, 2, 0, 1]); a sequence "
+                        "starting elsewhere cannot be told apart from the one before it")
+
+
+def check_metadata_matches(meta: PackedMetadata, position_ids: torch.Tensor) -> None:
+    """The metadata must describe this batch: its position ids equal the batch's (on the device, no host sync)."""
+    mine = meta.tensors(position_ids.device).position_ids
+    torch._assert_async((mine == position_ids.expand_as(mine)).all(),
+                        "packed_metadata does not describe this batch: its segments give other position_ids than "
+                        "the batch's (metadata built from another batch?)")
+
+
+def _inject_metadata(st: _PackedState, base: nn.Module):
+    """Forward pre-hook on the decoder stack: one PackedMetadata per step (cached path), checked against the batch;
+    calls with a KV cache run the model's own attention instead."""
+
+    def pre_hook(module, args, kwargs):
+        if base.config._attn_implementation != get_backend(st.backend).attn_name:
+            return None    # inside original_attention() (generate): the model's own attention and masks
+        if kwargs.get("past_key_values") is not None:
+            # a decoding call: the model's own attention and masks for this forward (restored by the post-hook)
+            base.config._attn_implementation = st.original_attn
+            module._fastsft_restore_attn = get_backend(st.backend).attn_name
+            return None
         ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
         shape = tuple((ids if ids is not None else embeds).shape[:2])
+        pos = kwargs.get("position_ids")
+        if pos is not None and st.check_batch:
+            check_position_ids(pos.expand(*shape))
+        if not st.cache:
+            return None  # naive: each layer rebuilds from position_ids, by design
         meta = kwargs.get("packed_metadata")
         if meta is not None:
             if not isinstance(meta, PackedMetadata):
                 raise TypeError(f"packed_metadata must be a PackedMetadata, got {type(meta).__name__}")
             meta.check_shape(*shape)
+            if pos is None:
+                # the rotary embedding needs the positions inside each sequence: take them from the metadata
+                device = (ids if ids is not None else embeds).device
+                kwargs["position_ids"] = meta.tensors(device).position_ids
+                return args, kwargs
+            if st.check_batch:
+                check_metadata_matches(meta, pos)
             return None
         mask = kwargs.get("attention_mask")
         if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
             raise ValueError("packed attention builds its own masks: pass packed_metadata or packed position_ids, "
                              "not a prepared 4-D/dict attention_mask")
         # One sync for the whole step (not one per layer): read position_ids (and the mask) back once.
-        kwargs["packed_metadata"] = PackedMetadata.from_position_ids(kwargs.get("position_ids"), shape=shape,
-                                                                     attention_mask=mask)
+        kwargs["packed_metadata"] = PackedMetadata.from_position_ids(pos, shape=shape, attention_mask=mask)
         return args, kwargs
 
-    return hook
+    def post_hook(module, args, kwargs, output):
+        name = module.__dict__.pop("_fastsft_restore_attn", None)
+        if name is not None:
+            base.config._attn_implementation = name
+        return None
+
+    return pre_hook, post_hook
+
+
+def _wrap_generate(model: nn.Module):
+    """An instance-level ``generate`` that runs with the model's own attention (KV cache, padding masks), so that
+    training and sampling alternate on one model without switching anything; removed by disable."""
+    base = base_model(model)
+    original = base.generate
+
+    @functools.wraps(original)
+    def generate(*args, **kwargs):
+        with original_attention(base):
+            return original(*args, **kwargs)
+
+    generate._fastsft_generate = True
+    base.generate = generate
+    return generate
+
+
+def check_packed_model(model: nn.Module) -> None:
+    """Refuse a model whose attention has a feature the packed kernels do not implement (one-line error)."""
+    cfg = base_model(model).config
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    name = type(base_model(model)).__name__
+    softcap = getattr(cfg, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise NotImplementedError(f"{name} uses attention logit softcapping (attn_logit_softcapping={softcap}), which "
+                                  "fastsft_lab's packed-attention kernels do not implement: packed attention would "
+                                  "change its numbers. Supported families: see the README's table")
+    if getattr(cfg, "alibi", False) or getattr(cfg, "use_alibi", False) or \
+            getattr(cfg, "position_embedding_type", None) == "alibi":
+        raise NotImplementedError(f"{name} uses ALiBi attention biases, which fastsft_lab's packed-attention kernels "
+                                  "do not implement")
+    try:
+        layers = decoder_layers(model)
+    except ValueError:
+        raise ValueError(f"{name} has no decoder layers (model.model.layers): packed attention applies to "
+                         "transformers causal LMs such as Qwen3, Llama, Mistral, GPT-OSS") from None
+    if not any(getattr(layer, "self_attn", None) is not None for layer in layers):
+        raise ValueError(f"{name}'s decoder layers have no self_attn module: not a supported architecture")
 
 
 def check_packed_backend(model: nn.Module, backend: str) -> None:
-    """Raise a one-line error if ``backend`` is unknown or cannot train on ``model``'s device."""
+    """Raise a one-line error if ``backend`` is unknown, cannot train on ``model``'s device, or ``model`` has an
+    attention feature the kernels do not implement."""
     get_backend(backend)
+    check_packed_model(model)
     status = available_backends(model_device(model))[backend]
     if not status.available:
         raise RuntimeError(f"packed-attention backend {backend!r} is not available here: {status.reason}")
 
 
 def enable_packed_attention(model: nn.Module, backend: str = "sdpa", *, cache: bool = True,
-                            check_available: bool = True) -> ModelState:
+                            check_available: bool = True, check_batch: bool = True) -> ModelState:
     """Run ``model``'s attention over packed rows with ``backend``; ``cache`` picks the cached or the naive path.
 
     Args:
-        model: a transformers causal LM, PEFT-wrapped or not (Qwen3, GPT-OSS, Llama-like families).
+        model: a transformers causal LM, PEFT-wrapped or not (Qwen3, GPT-OSS, Llama-like families; a model with
+            attention logit softcapping or ALiBi is refused).
         backend: ``"sdpa"`` (dense mask; runs anywhere), ``"varlen"`` (torch's flash varlen kernel on CUDA; a
             reference kernel on CPU), ``"flex"`` (flex attention + BlockMask), ``"xformers"``, ``"flash"``
             (the flash_attn package) or ``"eager"`` (the exact reference).
@@ -85,9 +194,15 @@ def enable_packed_attention(model: nn.Module, backend: str = "sdpa", *, cache: b
             from ``position_ids`` (the naive path, for comparison). Switch later with
             :func:`set_packed_metadata_cache`.
         check_available: raise if ``backend`` cannot run on the model's device (see :func:`available_backends`).
+        check_batch: check, on the device and without a host sync, that ``position_ids`` restart at 0 in every
+            sequence and that a given ``packed_metadata`` describes the batch (its position ids equal the batch's).
+            A few tiny kernels per step; off only to measure what they cost.
+
+    ``model.generate()`` and any call with a KV cache run the model's own attention, so training and sampling
+    alternate without switching.
 
     Returns:
-        The model's :class:`~fastsft_lab.state.ModelState`. Calling it again switches the backend;
+        The model's :class:`~fastsft_lab.model_state.ModelState`. Calling it again switches the backend;
         :func:`disable_packed_attention` restores the original.
     """
     name = get_backend(backend).attn_name
@@ -95,17 +210,23 @@ def enable_packed_attention(model: nn.Module, backend: str = "sdpa", *, cache: b
         raise ValueError(f"cache must be True or False, got {cache!r}")
     if check_available:
         check_packed_backend(model, backend)
+    else:
+        check_packed_model(model)
     base = base_model(model)
     st: _PackedState | None = getattr(base, "_fastsft_packed_state", None)
     if st is None:
         st = _PackedState(backend=backend, cache=cache, original_attn=base.config._attn_implementation)
-        st.hook = _inner_model(model).register_forward_pre_hook(_inject_metadata(st), with_kwargs=True)
+        pre, post = _inject_metadata(st, base)
+        inner = _inner_model(model)
+        st.hooks = (inner.register_forward_pre_hook(pre, with_kwargs=True),
+                    inner.register_forward_hook(post, with_kwargs=True, always_call=True))
+        st.generate = _wrap_generate(model)
         base._fastsft_packed_state = st
         for layer in decoder_layers(model):
             attn = getattr(layer, "self_attn", None)
             if attn is not None:
                 attn._fastsft_packed_state = st
-    st.backend, st.cache = backend, cache
+    st.backend, st.cache, st.check_batch = backend, cache, bool(check_batch)
     if base.config._attn_implementation != name:
         base.set_attn_implementation(name)
     return state(model)
@@ -129,7 +250,10 @@ def disable_packed_attention(model: nn.Module) -> ModelState:
     if st is not None:
         # The setter, not set_attn_implementation(): it would "adjust" some values (e.g. sdpa -> eager on GPT-OSS).
         base.config._attn_implementation = st.original_attn
-        st.hook.remove()
+        for h in st.hooks:
+            h.remove()
+        if base.__dict__.get("generate") is st.generate:
+            del base.__dict__["generate"]
         for layer in decoder_layers(model):
             attn = getattr(layer, "self_attn", None)
             if attn is not None and hasattr(attn, "_fastsft_packed_state"):
@@ -156,4 +280,5 @@ def _read_state(model: nn.Module) -> dict:
 register_state_reader("packed", _read_state)
 
 __all__ = ["enable_packed_attention", "disable_packed_attention", "set_packed_metadata_cache",
-           "packed_attention_state", "check_packed_backend"]
+           "packed_attention_state", "check_packed_backend", "check_packed_model", "original_attention",
+           "check_position_ids", "check_metadata_matches"]

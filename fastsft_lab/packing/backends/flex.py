@@ -215,15 +215,25 @@ def _flex_lse_kwargs() -> tuple[str, object]:
 
 
 def _outside_sync_counter():
-    """Run a flex kernel outside ``fastsft_lab.profiling.SyncCounter``'s dispatch mode.
+    """Run a flex kernel outside ``fastsft_lab.profiling.SyncCounter``'s dispatch mode; refuse any other mode.
 
-    The counter's ``TorchDispatchMode`` cannot take the flex higher-order operator (NotImplementedError), and
-    under any dispatch mode ``torch.compile`` runs eagerly -- flex would then materialise the T x T scores of
-    every head. The flex kernel itself never syncs, so nothing the counter should see is hidden.
+    A ``TorchDispatchMode`` cannot take the flex higher-order operator (NotImplementedError), and after such a
+    failure flex stays broken for the rest of the process (torch behaviour). So flex steps out of our own counting
+    mode (the flex kernel itself never syncs, so nothing the counter should see is hidden), and under anyone else's
+    dispatch mode it refuses before calling flex, with an error that says what to do.
     """
     from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 
-    if any(type(m).__name__ == "_SyncMode" for m in _get_current_dispatch_mode_stack()):
+    from ...profiling import SyncCountingMode
+
+    modes = _get_current_dispatch_mode_stack()
+    foreign = [type(m).__name__ for m in modes if not isinstance(m, SyncCountingMode)]
+    if foreign:
+        raise RuntimeError(f"the flex backend cannot run under the TorchDispatchMode {', '.join(foreign)}: torch's "
+                           "flex higher-order operator has no rule for it, and a failed attempt leaves flex broken for "
+                           "the rest of the process. Leave the mode for the forward, or use the sdpa or varlen backend "
+                           "(fastsft_lab.profiling.SyncCounter is handled)")
+    if modes:
         return _disable_current_modes()
     return contextlib.nullcontext()
 
