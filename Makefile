@@ -9,7 +9,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/d
 # Same command in the README and in .ci/run.
 TEST_CMD = $(BIN)/python -m pytest tests notebooks --nbval-lax --nbval-current-env -p no:cacheprovider
 
-.PHONY: setup bench test clean
+.PHONY: setup bench test mutants clean
 
 $(BIN)/.ready: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ bench: $(BIN)/.ready
 
 test: $(BIN)/.ready
 	SMOKE=1 MPLBACKEND=Agg $(TEST_CMD)
+
+# the curated mutation run (tests/mutations.py): every named bug in the core logic must fail the tests (~10 min)
+mutants: $(BIN)/.ready
+	$(BIN)/python tests/mutations.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -23,8 +23,9 @@ class ModelState:
         offload_buffers: 0 (no offload), 1 or 2 staging buffers.
         prefetch: offload prefetch on (False when no offload).
         checkpointing: ``"none"``, ``"standard"`` (transformers' own) or ``"offload"``.
-        moe_routing: ``"naive"`` / ``"grouped"`` / ``"sync_free"``, or None when the experts run a stock
-            implementation (or the model has none).
+        moe_routing: the routing mode fastsft_lab switched the experts to (``"naive"`` / ``"grouped"`` /
+            ``"sync_free"``, or a stock name asked for), None when it did not switch them.
+        fused_loss: the loss is :func:`fastsft_lab.loss.linear_cross_entropy` (no logits materialised).
     """
 
     packed: str | None = None
@@ -33,6 +34,7 @@ class ModelState:
     prefetch: bool = False
     checkpointing: str = "none"
     moe_routing: str | None = None
+    fused_loss: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -34,6 +34,7 @@ def apply(
     offload_buffers: int | None = None,
     prefetch: bool | None = None,
     moe_routing: str | None = None,
+    fused_loss: bool | None = None,
 ) -> ModelState:
     """Switch optimizations on (or between modes) on ``model``.
 
@@ -49,6 +50,8 @@ def apply(
         prefetch: with ``offload_buffers=2``, reload layer k-1 while layer k's backward runs (default on).
         moe_routing: ``"naive"``, ``"grouped"`` (one host sync per MoE layer) or ``"sync_free"`` (none); MoE
             models only.
+        fused_loss: True computes the loss with :func:`fastsft_lab.loss.linear_cross_entropy` (no logits held, no
+            host sync); the fast-kernel floor under the three optimizations, not one of them.
 
     Returns:
         The model's state after the change.
@@ -79,6 +82,8 @@ def apply(
         raise ValueError("prefetch needs offload_buffers=2")
     if moe_routing is not None:
         check_moe_routing(model, moe_routing)
+    if fused_loss is not None and not isinstance(fused_loss, bool):
+        raise ValueError(f"fused_loss must be True or False, got {fused_loss!r}")
 
     if packed_attention is not None:
         from .packing.switch import enable_packed_attention
@@ -103,11 +108,16 @@ def apply(
         from .moe.switch import set_moe_routing
 
         set_moe_routing(model, moe_routing)
+    if fused_loss is not None:
+        from .loss import disable_fused_loss, enable_fused_loss
+
+        (enable_fused_loss if fused_loss else disable_fused_loss)(model)
     return state(model)
 
 
 def revert(model: nn.Module) -> ModelState:
     """Undo every optimization fastsft_lab switched on for ``model``: back to its original behaviour."""
+    from .loss import disable_fused_loss
     from .moe.switch import moe_routing_switched, set_moe_routing
     from .offload.switch import disable_offloaded_checkpointing, disable_standard_checkpointing, is_offloaded
     from .packing.switch import disable_packed_attention, packed_attention_state
@@ -119,6 +129,7 @@ def revert(model: nn.Module) -> ModelState:
     disable_standard_checkpointing(model)
     if moe_routing_switched(model):
         set_moe_routing(model, None)
+    disable_fused_loss(model)
     return state(model)
 
 

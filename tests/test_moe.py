@@ -593,3 +593,24 @@ def test_cuda_microbenchmark_and_stats_run():
     stats = routing_stats(model, {"input_ids": ids})
     assert len(stats["tokens_per_expert"]) == model.config.num_hidden_layers
     assert all(sum(row) == 2 * 64 * model.config.num_experts_per_tok for row in stats["tokens_per_expert"])
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_nf4_store_dequantizes_to_what_bitsandbytes_gives(family):
+    # An independent round trip through bitsandbytes (quantize_4bit / dequantize_4bit on the same flat weight, the
+    # same blocksize): the store's dequantization must equal it bit for bit, all experts and one expert, and stay
+    # within NF4's error of the original weight.
+    from bitsandbytes.functional import dequantize_4bit, quantize_4bit
+
+    module = make_experts(family)
+    original = {n: getattr(module, n).detach().clone() for n in ("gate_up_proj", "down_proj")}
+    quantize_experts_nf4(module)
+    for name, w in original.items():
+        packed, st = quantize_4bit(w.reshape(-1).contiguous(), blocksize=64, compress_statistics=False,
+                                   quant_type="nf4")
+        ref = dequantize_4bit(packed, st).view(w.shape)
+        got = moe.dequantize_expert_weight(module, name)
+        assert torch.equal(got, ref), name
+        assert torch.equal(moe.dequantize_expert_weight(module, name, 2), ref[2]), name
+        scale = w.abs().amax()
+        assert (got - w).abs().max() <= 0.2 * scale, name                  # NF4: 4 bits per weight

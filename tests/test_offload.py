@@ -378,15 +378,64 @@ def test_prefetch_is_issued_and_hit_on_cpu():
             model.zero_grad(set_to_none=True)
 
 
+class _PoolWatch(StreamOps):
+    """Records the pinned pool's slots in use each time a layer's backward has been issued."""
+
+    def __init__(self, device, manager_ref):
+        super().__init__(device)
+        self.manager_ref, self.in_use = manager_ref, []
+
+    def staged(self, entry, x, phase):
+        if phase == "after_backward":
+            self.in_use.append(self.manager_ref().pool.in_use)
+
+
+def test_each_pool_slot_is_free_as_soon_as_its_layer_is_reloaded():
+    # A slot goes back to the pool when its input has been staged, not when the step's graph dies: an interleaved
+    # forward can then reuse it, and a long backward does not hold every slot to the end.
+    layers = 4
+    model = _model("tiny-qwen3", True, num_layers=layers)
+    holder = {}
+    watch = _PoolWatch(torch.device("cpu"), lambda: holder["m"])
+    O.enable_offloaded_checkpointing(model, 2, True, streams=watch)
+    holder["m"] = O.offload_manager(model)
+    try:
+        model(**_batch().model_inputs()).loss.backward()
+        assert watch.in_use == list(range(layers - 1, -1, -1))
+    finally:
+        O.disable_offloaded_checkpointing(model, release_pool=True)
+        model.zero_grad(set_to_none=True)
+
+
 @pytest.mark.parametrize("buffers,prefetch", MODES, ids=MODE_IDS)
 def test_autocast_is_replayed_in_the_recompute(buffers, prefetch):
     # Under CPU bf16 autocast the recompute must run in bf16 too: without the replay it runs in float32 and the
     # gradients differ (by ~2e-3 on this model); with it they equal standard checkpointing bit for bit.
+    # The forward runs under autocast, the backward after it (as torch's AMP recipes do): the recompute then only
+    # runs in bf16 if the checkpoint function replays the autocast state it recorded.
     model = _model("tiny-qwen3", True)
     inputs = _batch().model_inputs()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        ref = _standard(model, inputs)
-        got = _offloaded(model, inputs, buffers, prefetch)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**inputs).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return loss.detach(), grads
+
+    switch = CheckpointingSwitch(model)
+    switch.enable()
+    try:
+        ref = step()
+    finally:
+        switch.disable()
+    O.enable_offloaded_checkpointing(model, buffers, prefetch)
+    try:
+        got = step()
+    finally:
+        O.disable_offloaded_checkpointing(model)
     _assert_same(ref, got)
 
 

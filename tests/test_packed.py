@@ -1198,3 +1198,39 @@ def test_flex_refuses_a_foreign_dispatch_mode_and_keeps_working():
             got = FX.flex_attention_packed(q, q, q, bm, scale=0.25)
         assert torch.equal(got, ref) and c.total == 0
         assert torch.equal(FX.flex_attention_packed(q, q, q, bm, scale=0.25), ref)   # flex still works afterwards
+
+
+def test_router_aux_loss_over_packed_rows_leaves_the_padding_out():
+    from transformers.models.gpt_oss.modeling_gpt_oss import load_balancing_loss_func
+
+    from fastsft_lab import offload as O
+
+    model = make_model("tiny-gpt-oss")
+    collate = PackedCollator(max_tokens=96)
+    ex = synthetic_corpus(10, vocab_size=256, mix="short", max_len=60, seed=3)
+    batch = collate([{"input_ids": list(e.input_ids)} for e in ex])
+    meta = batch["packed_metadata"]
+    assert any(meta.pad_lengths)
+    real = meta.real_tokens_mask("cpu")
+    enable_packed_attention(model, "sdpa")
+    try:
+        with torch.no_grad():
+            ours = model(**batch, output_router_logits=True)
+            padded = model(**batch, attention_mask=real, output_router_logits=True)   # the mask given by hand
+            counted = load_balancing_loss_func(ours.router_logits, 8, 2, None)         # padding counted
+        torch.testing.assert_close(ours.aux_loss, padded.aux_loss)
+        assert (ours.aux_loss - counted).abs() > 1e-3
+        O.enable_offloaded_checkpointing(model, 2, True)
+        try:
+            model.train()
+            out = model(**batch, output_router_logits=True)
+            torch.testing.assert_close(out.aux_loss, padded.aux_loss)
+            # the router logits come from the offloaded forward, which keeps no activations: a clear error
+            with pytest.raises(RuntimeError, match="router logits"):
+                out.loss.backward()
+        finally:
+            O.disable_offloaded_checkpointing(model, release_pool=True)
+            model.eval()
+    finally:
+        disable_packed_attention(model)
+        model.zero_grad(set_to_none=True)

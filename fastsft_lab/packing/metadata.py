@@ -105,6 +105,8 @@ class PackedMetadata:
     Args:
         seq_lengths: per row, the segment lengths in order (padding tail included as its own segment).
         row_tokens: tokens per row (T); default: the sum of the first row.
+        pad_lengths: per row, the length of its padding tail (0: none; it is the row's last segment), so that what
+            needs the real tokens (the MoE router's load-balancing loss) can leave it out. Default: no padding.
 
     Build one per batch (:meth:`from_batch`, :meth:`from_lengths`, or :class:`~fastsft_lab.packing.PackedCollator`)
     and pass it to the model as ``packed_metadata=``: transformers forwards it to every attention layer.
@@ -118,6 +120,7 @@ class PackedMetadata:
 
     seq_lengths: tuple[tuple[int, ...], ...]
     row_tokens: int
+    pad_lengths: tuple[int, ...] | None = None
     lengths: tuple[int, ...] = field(init=False)      # all segments, rows concatenated
     cu_seqlens: tuple[int, ...] = field(init=False)   # (0, l0, l0+l1, ..., N)
     max_seqlen: int = field(init=False)
@@ -130,8 +133,19 @@ class PackedMetadata:
         cu = [0]
         for x in lengths:
             cu.append(cu[-1] + x)
+        pads = tuple(0 for _ in rows) if self.pad_lengths is None else \
+            tuple(_as_int(p, f"pad_lengths[{b}]") for b, p in enumerate(self.pad_lengths))
+        if len(pads) != len(rows):
+            raise ValueError(f"pad_lengths has {len(pads)} entries for {len(rows)} rows")
+        for b, (row, pad) in enumerate(zip(rows, pads)):
+            if pad and row[-1] != pad:
+                raise ValueError(f"row {b}: a padding tail of {pad} tokens must be the row's last segment "
+                                 f"(it is {row[-1]})")
+            if pad < 0:
+                raise ValueError(f"pad_lengths[{b}] is {pad}; it must be >= 0")
         object.__setattr__(self, "seq_lengths", rows)
         object.__setattr__(self, "row_tokens", row_tokens)
+        object.__setattr__(self, "pad_lengths", pads)
         object.__setattr__(self, "lengths", lengths)
         object.__setattr__(self, "cu_seqlens", tuple(cu))
         object.__setattr__(self, "max_seqlen", max(lengths))
@@ -141,15 +155,15 @@ class PackedMetadata:
     # -- constructors
     @classmethod
     def from_lengths(cls, seq_lengths: Sequence[int] | Sequence[Sequence[int]],
-                     row_tokens: int | None = None) -> "PackedMetadata":
+                     row_tokens: int | None = None, pad_lengths: Sequence[int] | None = None) -> "PackedMetadata":
         """From host lengths: one flat list (one row) or one list per row. Validates them."""
         rows, row_tokens = normalize_row_lengths(seq_lengths, row_tokens)
-        return cls(rows, row_tokens)
+        return cls(rows, row_tokens, tuple(pad_lengths) if pad_lengths is not None else None)
 
     @classmethod
     def from_batch(cls, batch) -> "PackedMetadata":
         """From a :class:`~fastsft_lab.data.PackedBatch` (its host-side ``seq_lengths``): no device access."""
-        return cls(batch.seq_lengths, batch.shape[1])
+        return cls(batch.seq_lengths, batch.shape[1], tuple(batch.pad_lengths))
 
     @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor | None, *, shape: tuple[int, int] | None = None,
@@ -176,7 +190,7 @@ class PackedMetadata:
         host = torch.stack(parts).tolist()  # the one sync
         pos_rows = host[0] if position_ids is not None else [list(range(t))] * b
         mask_rows = host[-1] if attention_mask is not None else None
-        rows = []
+        rows, pads = [], []
         for r in range(b):
             pos = pos_rows[r]
             real = t
@@ -196,7 +210,8 @@ class PackedMetadata:
             if real < t:
                 segs.append(t - real)
             rows.append(tuple(segs))
-        return cls(tuple(rows), t)
+            pads.append(t - real)
+        return cls(tuple(rows), t, tuple(pads))
 
     # -- host-side facts
     @property
@@ -221,11 +236,12 @@ class PackedMetadata:
 
     def __getstate__(self):
         # Device tensors and backend objects stay where they were built (pickling is for DataLoader workers).
-        return {"seq_lengths": self.seq_lengths, "row_tokens": self.row_tokens}
+        return {"seq_lengths": self.seq_lengths, "row_tokens": self.row_tokens, "pad_lengths": self.pad_lengths}
 
     def __setstate__(self, state):
         object.__setattr__(self, "seq_lengths", state["seq_lengths"])
         object.__setattr__(self, "row_tokens", state["row_tokens"])
+        object.__setattr__(self, "pad_lengths", state.get("pad_lengths"))
         self.__post_init__()
 
     def check_shape(self, rows: int, tokens: int) -> None:
@@ -248,6 +264,21 @@ class PackedMetadata:
         """cu_seqlens, per-token segment ids and position ids on ``device``: one copy, then cached."""
         device = norm_device(device)
         return self.cached(("tensors", device), lambda: self._build_tensors(device))
+
+    def real_tokens_mask(self, device: torch.device | str) -> torch.Tensor:
+        """(rows, T) int64: 1 on real tokens, 0 on each row's padding tail (one pinned copy, then cached)."""
+        device = norm_device(device)
+
+        def build():
+            host = torch.ones(self.shape, dtype=torch.long)
+            for r, pad in enumerate(self.pad_lengths):
+                if pad:
+                    host[r, self.row_tokens - pad:] = 0
+            if device.type == "cuda":
+                host = host.pin_memory()
+            return host.to(device, non_blocking=True)
+
+        return self.cached(("real_tokens", device), build)
 
     def _build_tensors(self, device: torch.device) -> DeviceTensors:
         n, s = self.num_tokens, self.num_segments

@@ -131,6 +131,29 @@ def _inject_metadata(st: _PackedState, base: nn.Module):
     return pre_hook, post_hook
 
 
+def _router_loss_mask(base: nn.Module):
+    """Forward pre-hook on a MoE ``*ForCausalLM``: its router load-balancing loss averages over the tokens that the
+    ``attention_mask`` marks; packed rows come without one, so the padding tails would count. From the batch's
+    metadata (host lengths, one pinned copy) the hook passes the mask of real tokens, which the packed attention
+    backends ignore (they take their masks from the metadata)."""
+
+    def hook(module, args, kwargs):
+        meta = kwargs.get("packed_metadata")
+        if meta is None or kwargs.get("attention_mask") is not None or not isinstance(meta, PackedMetadata):
+            return None
+        router = kwargs.get("output_router_logits")
+        if not (router if router is not None else getattr(base.config, "output_router_logits", False)):
+            return None
+        if not any(meta.pad_lengths):
+            return None
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        ref = ids if ids is not None else kwargs.get("inputs_embeds")
+        kwargs["attention_mask"] = meta.real_tokens_mask(ref.device)
+        return args, kwargs
+
+    return hook
+
+
 def _wrap_generate(model: nn.Module):
     """An instance-level ``generate`` that runs with the model's own attention (KV cache, padding masks), so that
     training and sampling alternate on one model without switching anything; removed by disable."""
@@ -220,6 +243,8 @@ def enable_packed_attention(model: nn.Module, backend: str = "sdpa", *, cache: b
         inner = _inner_model(model)
         st.hooks = (inner.register_forward_pre_hook(pre, with_kwargs=True),
                     inner.register_forward_hook(post, with_kwargs=True, always_call=True))
+        if hasattr(base.config, "router_aux_loss_coef"):
+            st.hooks += (base.register_forward_pre_hook(_router_loss_mask(base), with_kwargs=True),)
         st.generate = _wrap_generate(model)
         base._fastsft_packed_state = st
         for layer in decoder_layers(model):

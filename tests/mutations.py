@@ -1,0 +1,206 @@
+"""A curated mutation run: does the test suite catch a wrong change to the core logic?
+
+Each mutation below is a small, plausible bug in one file (an off-by-one in ``cu_seqlens``, a stream wait dropped, the
+packer's fit rule reversed, ...). The run applies each one to a temporary copy of the repository, runs the tests
+that guard that logic, and calls the mutation *killed* when they fail. It fails unless every mutation is killed.
+
+    python tests/mutations.py            # all of them (about 10 minutes on 2 CPU cores)
+    python tests/mutations.py --list     # names only
+    python tests/mutations.py --only sdpa-window-off-by-one,packer-worst-fit
+
+Run it before submitting a change to core logic (``make mutants``); CI runs the ordinary suite only. A mutation
+whose ``old`` text no longer appears exactly once is an error: the list must follow the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str           # relative to the repository root
+    old: str
+    new: str
+    tests: tuple        # pytest arguments (files, -k expressions)
+
+
+P = "fastsft_lab/packing/"
+O = "fastsft_lab/offload/"
+M = "fastsft_lab/moe/"
+TP, TO, TM = "tests/test_packed.py", "tests/test_offload.py", "tests/test_moe.py"
+
+MUTATIONS = [
+    # --- packed metadata and attention
+    Mutation("varlen-max-seqlen-minus-one", P + "backends/varlen.py",
+             "return meta.tensors(norm_device(device)).cu_seqlens, meta.max_seqlen",
+             "return meta.tensors(norm_device(device)).cu_seqlens, meta.max_seqlen - 1", (TP, "-k", "alone")),
+    Mutation("naive-varlen-max-seqlen-minus-one", P + "backends/varlen.py",
+             "return cu, int(max_len)  # sync 3", "return cu, int(max_len) - 1  # sync 3", (TP, "-k", "alone")),
+    Mutation("segment-lengths-misassigned", P + "metadata.py",
+             "lengths = cu[1:] - cu[:-1]", "lengths = (cu[1:] - cu[:-1]).roll(1)", (TP, "-k", "alone or metadata")),
+    Mutation("position-ids-from-segment-ends", P + "metadata.py",
+             "starts = cu[:-1].to(torch.long)", "starts = (cu[1:] - 1).to(torch.long)", (TP, "-k", "metadata")),
+    Mutation("sdpa-window-off-by-one", P + "backends/sdpa.py",
+             "causal = causal & (i[:, None] - i[None, :] < window)  # q - W < k",
+             "causal = causal & (i[:, None] - i[None, :] <= window)  # q - W < k", (TP, "-k", "window or alone")),
+    Mutation("varlen-reference-window-off-by-one", P + "backends/varlen.py",
+             "allowed = allowed & (i[:, None] - i[None, :] < window)",
+             "allowed = allowed & (i[:, None] - i[None, :] <= window)", (TP, "-k", "kernels")),
+    Mutation("sdpa-sink-skipped", P + "backends/sdpa.py",
+             "    if sinks is None:\n        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask",
+             "    if True:\n        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[..., :k.shape[2]]",
+             (TP, "-k", "kernels")),
+    Mutation("varlen-sink-skipped", P + "backends/varlen.py",
+             "        if sinks is not None:\n            sink = sinks.float()[:, None]",
+             "        if False:\n            sink = sinks.float()[:, None]", (TP, "-k", "kernels")),
+    Mutation("flex-sink-sign", P + "backends/flex.py",
+             "factor = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))",
+             "factor = torch.sigmoid(lse.float() + sinks.float().view(1, -1, 1))", (TP, "-k", "kernels")),
+    Mutation("flex-full-tiles-include-the-diagonal", P + "backends/flex.py",
+             "full = (j < i) & (q_lo_last <= k0)", "full = (j <= i) & (q_lo_last <= k0)",
+             (TP, "-k", "block_tables or kernels")),
+    Mutation("naive-mask-not-causal", P + "backends/sdpa.py",
+             "        block = block.masked_fill(upper, -math.inf)\n", "", (TP, "-k", "alone or naive")),
+    Mutation("metadata-check-dropped", P + "switch.py",
+             "                check_metadata_matches(meta, pos)\n", "                pass\n",
+             (TP, "-k", "another_batch")),
+    Mutation("position-ids-check-dropped", P + "switch.py",
+             "            check_position_ids(pos.expand(*shape))\n", "            pass\n",
+             (TP, "-k", "start_at_zero")),
+    Mutation("softcapping-not-refused", P + "switch.py",
+             "    if softcap is not None:\n        raise NotImplementedError(f\"{name} uses attention logit",
+             "    if False:\n        raise NotImplementedError(f\"{name} uses attention logit", (TP, "-k", "softcap")),
+    Mutation("generate-through-packed-attention", P + "switch.py",
+             "        with original_attention(base):\n            return original(*args, **kwargs)",
+             "        return original(*args, **kwargs)", (TP, "-k", "generate")),
+    # --- the packer
+    Mutation("packer-worst-fit", "fastsft_lab/data.py",
+             "        k = bisect.bisect_left(free, (n, -1))\n        if k < len(free):",
+             "        k = len(free) - 1\n        if free and free[k][0] >= n:", ("tests/test_data.py",)),
+    Mutation("first-label-of-a-sequence-kept", "fastsft_lab/data.py",
+             "            r_lab.append(IGNORE_INDEX)\n            r_lab.extend(ex.labels[1:])",
+             "            r_lab.extend(ex.labels)", ("tests/test_data.py",)),
+    # --- offloaded checkpointing
+    Mutation("copy-does-not-wait-for-a-free-slot", O + "manager.py",
+             "        ops.wait_event(\"copy\", (\"free\", slot))          # the previous user of the slot is done",
+             "        pass  # the previous user of the slot is done", (TO, "-k", "stream_order")),
+    Mutation("ready-event-not-recorded", O + "manager.py",
+             "        ops.record((\"ready\", slot), \"copy\")\n", "", (TO, "-k", "stream_order")),
+    Mutation("input-not-protected-by-record-stream", O + "manager.py",
+             "            ops.record_stream(src, inp, stream)\n", "            pass\n", (TO, "-k", "stream_order")),
+    Mutation("prefetch-off", O + "manager.py",
+             "        if self.prefetch and policy.can_prefetch():", "        if False:", (TO, "-k", "prefetch")),
+    Mutation("every-input-in-slot-zero", O + "policy.py",
+             "        return self.slots[seq % len(self.slots)]", "        return self.slots[0]",
+             (TO, "-k", "prefetch or stream_order")),
+    Mutation("pool-slot-never-released", O + "manager.py",
+             "        entry.release()   # the pool slot may be refilled", "        pass   # the pool slot may be refilled",
+             (TO, "-k", "pool or registry or dropped or reloaded")),
+    Mutation("rng-not-replayed", O + "checkpoint.py",
+             "            torch.set_rng_state(call.cpu_rng)\n", "            pass\n", (TO, "-k", "dropout")),
+    Mutation("autocast-not-replayed", O + "checkpoint.py",
+             "torch.enable_grad(), dev_ctx, torch.autocast(\"cpu\", **cpu_autocast):",
+             "torch.enable_grad(), dev_ctx:", (TO, "-k", "autocast")),
+    Mutation("parameter-gradients-dropped", O + "checkpoint.py",
+             "    return leaf_grads, [grads.get(id(p)) if need else None for p, need in zip(params, need_params)]",
+             "    return leaf_grads, [None for p in params]", (TO, "-k", "gradients_equal or selective")),
+    # --- MoE routing
+    Mutation("searchsorted-left", M + "grouping.py",
+             "ends = torch.searchsorted(sorted_ids, experts, right=True, out_int32=int32)",
+             "ends = torch.searchsorted(sorted_ids, experts, right=False, out_int32=int32)", (TM,)),
+    Mutation("combine-wrong-permutation", M + "grouping.py",
+             "y = _RowGather.apply(y_sorted, inv, perm, 1).view(num_tokens, k, -1)",
+             "y = _RowGather.apply(y_sorted, perm, inv, 1).view(num_tokens, k, -1)", (TM,)),
+    Mutation("down-bias-not-added", M + "experts.py",
+             "        out = torch.addmm(out, dense.to(out.dtype), self.down_proj_bias.to(out.dtype))",
+             "        out = out", (TM,)),
+    Mutation("gate-up-unclamped-below", M + "gate.py",
+             "up = gate_up[..., 1::2].clamp(min=-limit, max=limit)", "up = gate_up[..., 1::2].clamp(max=limit)",
+             (TM,)),
+    Mutation("nf4-scale-off", M + "nf4.py",
+             "return QuantState(absmax=absmax, shape=", "return QuantState(absmax=absmax * 1.01, shape=",
+             (TM, "-k", "nf4")),
+    Mutation("router-loss-counts-the-padding", P + "switch.py",
+             "        kwargs[\"attention_mask\"] = meta.real_tokens_mask(ref.device)\n        return args, kwargs",
+             "        return None", (TP, "-k", "aux_loss")),
+    Mutation("fused-loss-not-shifted", "fastsft_lab/loss.py",
+             "shift = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)",
+             "shift = labels.reshape(-1)", ("tests/test_loss.py",)),
+]
+
+
+def _apply(root: str, m: Mutation) -> None:
+    path = os.path.join(root, m.path)
+    with open(path) as f:
+        text = f.read()
+    count = text.count(m.old)
+    if count != 1:
+        raise SystemExit(f"mutation {m.name}: its text occurs {count} times in {m.path} (expected once): update "
+                         "tests/mutations.py to follow the code")
+    with open(path, "w") as f:
+        f.write(text.replace(m.old, m.new))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default=None, help="comma-separated mutation names")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    args = parser.parse_args(argv)
+    todo = MUTATIONS
+    if args.only:
+        names = set(args.only.split(","))
+        unknown = names - {m.name for m in MUTATIONS}
+        if unknown:
+            raise SystemExit(f"unknown mutation(s) {sorted(unknown)}; known: {', '.join(m.name for m in MUTATIONS)}")
+        todo = [m for m in MUTATIONS if m.name in names]
+    if args.list:
+        for m in todo:
+            print(f"{m.name:42s} {m.path}")
+        return 0
+    work = tempfile.mkdtemp(prefix="fastsft-mutants-")
+    try:
+        for sub in ("fastsft_lab", "tests"):
+            shutil.copytree(os.path.join(ROOT, sub), os.path.join(work, sub),
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "data"))
+        for m in todo:                               # every mutation's text must be there before anything runs
+            with open(os.path.join(work, m.path)) as f:
+                if f.read().count(m.old) != 1:
+                    _apply(work, m)                  # raises with the explanation
+        env = dict(os.environ, PYTHONPATH=work, SMOKE="1", MPLBACKEND="Agg")
+        rows, t0 = [], time.time()
+        for m in todo:
+            original = open(os.path.join(work, m.path)).read()
+            _apply(work, m)
+            t = time.time()
+            run = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests],
+                                 cwd=work, env=env, capture_output=True, text=True)
+            with open(os.path.join(work, m.path), "w") as f:
+                f.write(original)
+            last = [line for line in run.stdout.strip().splitlines() if line.strip()][-1:] or [""]
+            killed = run.returncode not in (0, 5)
+            rows.append((m, killed, time.time() - t, last[0]))
+            print(f"{'killed  ' if killed else 'SURVIVED'} {m.name:42s} {time.time() - t:5.1f}s  {last[0][:70]}",
+                  flush=True)
+        killed = sum(1 for _, k, _, _ in rows if k)
+        print(f"\n{killed}/{len(rows)} mutations killed ({killed / len(rows):.0%}) in {time.time() - t0:.0f} s")
+        survived = [m.name for m, k, _, _ in rows if not k]
+        if survived:
+            print("survived: " + ", ".join(survived))
+        return 0 if not survived else 1
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

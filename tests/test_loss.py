@@ -1,0 +1,78 @@
+"""The fused linear cross-entropy: transformers' causal-LM loss and gradients, without the logits, without a sync."""
+
+import pytest
+import torch
+
+from fastsft_lab import loss as L
+from fastsft_lab.data import benchmark_batches
+from fastsft_lab.models import LoraSettings, build_model
+from fastsft_lab.profiling import SyncCounter
+
+
+def _reference(hidden, weight, labels, num_items=None):
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    logits = hidden @ weight.t()
+    return ForCausalLMLoss(logits, labels, vocab_size=weight.shape[0], num_items_in_batch=num_items)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+@pytest.mark.parametrize("num_items", [None, 17])
+def test_loss_and_gradients_equal_the_unfused_loss(chunk, num_items):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 33, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 33), generator=g)
+    labels[0, :5] = -100
+    labels[1, 20:] = -100
+    ref = _reference(hidden, weight, labels, num_items)
+    ref_grads = torch.autograd.grad(ref, (hidden, weight))
+    got = L.linear_cross_entropy(hidden, weight, labels, num_items_in_batch=num_items, chunk=chunk)
+    got_grads = torch.autograd.grad(got, (hidden, weight))
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    for a, b in zip(got_grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_no_host_sync_and_all_ignored_labels():
+    hidden = torch.randn(1, 9, 8, requires_grad=True)
+    weight = torch.randn(11, 8)
+    labels = torch.full((1, 9), -100)
+    with SyncCounter(device="cpu") as c:
+        out = L.linear_cross_entropy(hidden, weight, labels)
+        out.backward()
+    assert c.total == 0 and out.item() == 0 and hidden.grad.abs().sum() == 0
+    with pytest.raises(ValueError, match="chunk"):
+        L.linear_cross_entropy(hidden, weight, labels, chunk=0)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-gpt-oss"])
+def test_model_switch_equals_the_model_loss_and_reverts(preset):
+    import fastsft_lab
+
+    model = build_model(preset, device="cpu", dtype=torch.float32, lora=LoraSettings(rank=4))
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05)
+    batch = benchmark_batches(tokens_per_step=128, row_tokens=64, steps=1, vocab_size=256, mix="short")[0]
+    inputs = {**batch.model_inputs(), "output_router_logits": preset == "tiny-gpt-oss"}
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = model(**inputs)
+        out.loss.backward()
+        return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref, ref_grads = run()
+    assert fastsft_lab.apply(model, fused_loss=True).fused_loss
+    got, grads = run()
+    assert got.logits is None
+    torch.testing.assert_close(got.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    if preset == "tiny-gpt-oss":
+        torch.testing.assert_close(got.aux_loss, ref.aux_loss)
+    assert grads.keys() == ref_grads.keys()
+    for n in grads:
+        torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert not fastsft_lab.revert(model).fused_loss
+    again, _ = run()
+    assert torch.equal(again.loss, ref.loss) and again.logits is not None

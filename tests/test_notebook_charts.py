@@ -1,0 +1,117 @@
+"""Every chart a committed notebook draws is visible in its committed outputs.
+
+The rule, per code cell of each committed ``notebooks/0*.ipynb``: a cell *draws a chart* when its source (parsed as
+Python, so comments and strings never count) calls at least one of
+
+* ``plt.subplots(...)`` or ``plt.figure(...)`` (a figure made in the notebook itself);
+* a chart function of :mod:`fastsft_lab.lab.plots` -- any name in its ``__all__`` that starts with ``plot_`` --
+  called bare (``plot_result(...)``) or as an attribute (``plots.plot_result(...)``);
+* ``display(...)`` with a first argument whose name starts with ``fig`` (the notebooks' convention for a figure).
+
+Such a cell must carry at least one ``image/png`` output. The notebooks show each figure with
+``IPython.display.display(fig)`` (after ``select_figure_formats(get_ipython(), {"png"})``, so that it embeds a PNG
+under any matplotlib backend, Agg included) and then close it; a chart left to ``plt.show()`` comes back as a
+``<Figure ...>`` text under Agg, which this test catches. A cell that cannot be parsed (an IPython magic) falls back
+to a plain-text search for the same call names.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import pathlib
+import re
+
+import nbformat
+import pytest
+
+from fastsft_lab.lab import plots
+
+NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parents[1] / "notebooks").glob("0*.ipynb"))
+CHART_FUNCTIONS = frozenset(n for n in plots.__all__ if n.startswith("plot_"))
+PYPLOT_MAKERS = frozenset({"subplots", "figure"})
+
+
+def _call_name(func: ast.expr) -> tuple[str | None, str | None]:
+    """(owner, name) of a call's function: ``plt.subplots`` -> ("plt", "subplots"), ``display`` -> (None, "display")."""
+    if isinstance(func, ast.Name):
+        return None, func.id
+    if isinstance(func, ast.Attribute):
+        owner = func.value.id if isinstance(func.value, ast.Name) else None
+        return owner, func.attr
+    return None, None
+
+
+def draws_chart(source: str) -> bool:
+    """Whether a code cell's source draws a chart (the rule of the module docstring)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        names = "|".join(sorted(CHART_FUNCTIONS))
+        return bool(re.search(rf"\bplt\.(subplots|figure)\(|\b({names})\(|\bdisplay\(\s*fig", source))
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        owner, name = _call_name(node.func)
+        if owner == "plt" and name in PYPLOT_MAKERS:
+            return True
+        if name in CHART_FUNCTIONS:
+            return True
+        if name == "display" and node.args:
+            first = node.args[0]
+            label = first.id if isinstance(first, ast.Name) else first.attr if isinstance(first, ast.Attribute) else ""
+            if label.startswith("fig"):
+                return True
+    return False
+
+
+def has_image(cell) -> bool:
+    return any("image/png" in out.get("data", {}) for out in cell.get("outputs", []))
+
+
+def missing_charts(nb) -> list[int]:
+    """Indices of the code cells that draw a chart but carry no image/png output."""
+    return [i for i, cell in enumerate(nb.cells)
+            if cell.cell_type == "code" and draws_chart(cell.source) and not has_image(cell)]
+
+
+def chart_cells(nb) -> list[int]:
+    return [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code" and draws_chart(cell.source)]
+
+
+def test_there_are_notebooks():
+    assert len(NOTEBOOKS) >= 4, NOTEBOOKS
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_chart_cell_has_an_image(path):
+    nb = nbformat.read(path, as_version=4)
+    assert chart_cells(nb), f"{path.name}: no cell draws a chart (the rule found nothing: is it still right?)"
+    missing = missing_charts(nb)
+    assert not missing, (f"{path.name}: code cells {missing} draw a chart but carry no image/png output "
+                         f"(show each figure with display(fig), then plt.close(fig), and re-execute the notebook)")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_removing_an_image_output_is_caught(path):
+    """Mutation check: a copy of the notebook with the image output of one chart cell deleted fails the rule."""
+    nb = copy.deepcopy(nbformat.read(path, as_version=4))
+    singles = [i for i in chart_cells(nb)
+               if sum("image/png" in out.get("data", {}) for out in nb.cells[i].get("outputs", [])) == 1]
+    assert singles, f"{path.name}: no chart cell with exactly one image output to delete"
+    cell = nb.cells[singles[0]]
+    cell.outputs = [out for out in cell.outputs if "image/png" not in out.get("data", {})]
+    assert missing_charts(nb) == [singles[0]]
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("fig, ax = plt.subplots()\nax.plot([1])\ndisplay(fig); plt.close(fig)", True),
+    ("fig = plots.plot_result(result)\ndisplay(fig)", True),
+    ("plot_regime(points)", True),
+    ("display(fig)", True),
+    ("print('plt.subplots(')  # plots.plot_result(", False),
+    ("display(Markdown('x'))\nprint(results.describe_run(doc))", False),
+    ("%matplotlib inline\nfig, ax = plt.subplots()", True),
+])
+def test_the_rule(source, expected):
+    assert draws_chart(source) is expected
