@@ -17,9 +17,12 @@ CELLS = [
 
 **Prerequisites.** Runs anywhere. Without a GPU it runs in *smoke mode*: a tiny Qwen3 on the CPU, where there are
 no streams and every copy is synchronous, so CPU timelines show *what* runs, not overlap. The GPU pictures and
-numbers (Qwen3-14B width, NF4 + LoRA r=16, on an H200) are loaded from `benchmarks/results/` when that run is
-present. With a GPU the notebook builds Qwen3-14B (10 layers, random weights; about 3 GB of GPU memory for weights
-plus activations at 16k tokens).
+numbers of the H200 runs (Qwen3-14B width, NF4 + LoRA r=16) are read from the committed results
+(`fastsft_lab.lab.results`: a clone's `benchmarks/results/`, or the copy packaged with the library on Colab). With
+a GPU the notebook builds Qwen3-14B (10 of its layers at real width, random weights) when it fits, else Qwen3-0.6B;
+the parameters cell says which, and the cell after it prints the peak memory the committed H200 runs of those
+configurations measured (the equivalence check's run without checkpointing is the largest). On a GPU that shares
+its memory with the host (unified memory), offloading moves nothing, so the timing cells are skipped there.
 
 **The problem.** Transformers' own offload option (`gradient_checkpointing_enable(offload=True)`) copies on the
 compute stream ("the step gets slower", its docstring says); torchtune's and TRL's offloading allocate fresh pinned
@@ -33,63 +36,109 @@ copy     |        | h2d L8 |        | h2d L7 |            <- every reload is exp
 '''),
 ("colab", ""),                # the shared Colab install cell (build.py)
 ("code", r'''
+import warnings
+warnings.filterwarnings("ignore", message="IProgress not found")       # tqdm without ipywidgets: before any import of tqdm
+import logging
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)   # its CPU build's notice about an optional kernel package
 import time
 import torch
-from fastsft_lab.env import describe, smoke_mode, has_cuda
+import matplotlib.pyplot as plt
+from IPython.display import display
+from IPython.core.pylabtools import select_figure_formats
+from fastsft_lab.env import describe, smoke_mode, device_profile
+from fastsft_lab.lab import plots, results
 
+select_figure_formats(get_ipython(), {"png"})   # display(fig) embeds a PNG under any matplotlib backend (CI: Agg)
 SMOKE = smoke_mode()          # SMOKE=1/0 in the environment overrides; default: on without a GPU
+PROFILE = device_profile()    # the GPU's name, capability and memory, and the choices they imply
 T0 = time.time()
 print(describe())
 '''),
 ("md", r'''
 ## Parameters
-Everything below is derived from these. In smoke mode the sizes are tiny; on a GPU they are the real ones.
+Everything below is derived from these. In smoke mode the sizes are tiny; on a GPU they are the largest real ones
+that fit.
 '''),
 ("code", r'''
-DEVICE = "cuda" if has_cuda() else "cpu"
+# GiB each GPU choice needs: the committed H200 peaks of these configurations (next cell) plus headroom; the
+# equivalence check runs the model once without checkpointing at EQ_TOKENS, the largest of its steps.
+CHOICES = {"qwen3-14b": dict(layers=10, tokens=16384, eq_tokens=8192, gib=56),   # 10 of 40 layers, real width
+           "qwen3-0.6b": dict(layers=28, tokens=4096, eq_tokens=2048, gib=12)}   # all layers: fits a 16 GB T4
+DEVICE = PROFILE.device
+MODEL = PROFILE.pick({name: c["gib"] for name, c in CHOICES.items()}) if not SMOKE else None
+if not SMOKE and MODEL is None:
+    print(f"{PROFILE.name}: {PROFILE.memory_gib:.0f} GiB is less than the smallest choice needs: smoke sizes instead")
+    SMOKE = True
 if SMOKE:
     MODEL, NUM_LAYERS, QUANT, LORA_RANK = "tiny-qwen3", 6, None, 8
     TOKENS, ROW_TOKENS, EQ_TOKENS, STEPS = 512, 256, 256, 3
-    DTYPE = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    why = "smoke mode: a tiny Qwen3 (6 layers)"
     if DEVICE == "cpu":
         torch.set_num_threads(1)   # tiny model: threads only add noise on a small shared CPU
 else:
-    MODEL, NUM_LAYERS, QUANT, LORA_RANK = "qwen3-14b", 10, "nf4", 16   # 10 of Qwen3-14B's 40 layers, real width
-    TOKENS, ROW_TOKENS, EQ_TOKENS, STEPS = 16384, 8192, 8192, 4
-    DTYPE = torch.bfloat16
-print(dict(MODEL=MODEL, NUM_LAYERS=NUM_LAYERS, QUANT=QUANT, TOKENS=TOKENS, DEVICE=DEVICE, DTYPE=str(DTYPE)))
+    c = CHOICES[MODEL]
+    NUM_LAYERS, QUANT, LORA_RANK = c["layers"], "nf4", 16
+    TOKENS, EQ_TOKENS, STEPS = c["tokens"], c["eq_tokens"], 4
+    ROW_TOKENS = min(8192, TOKENS)
+    why = f"{MODEL} is the largest choice whose need ({c['gib']} GiB) fits in {PROFILE.memory_gib:.0f} GiB"
+DTYPE = PROFILE.dtype         # bf16 from sm80 on, fp16 on a T4, float32 on a CPU
+TIME_OFFLOAD = not PROFILE.unified_memory
+print(PROFILE.describe())
+print(why)
+if not TIME_OFFLOAD:
+    print("unified memory: host and GPU share one memory, so an offload copy moves nothing and only costs time; "
+          "the timing cells are skipped (the correctness checks still run)")
+print(dict(MODEL=MODEL, NUM_LAYERS=NUM_LAYERS, QUANT=QUANT, TOKENS=TOKENS, EQ_TOKENS=EQ_TOKENS, DEVICE=DEVICE,
+           DTYPE=str(DTYPE)))
+'''),
+("code", r'''
+# What these configurations took on the H200 (peak_mem_bytes of the committed runs)
+def h200_peak(scenario, variant=None, **config):
+    """(peak GiB of `variant`, or of the largest variant, its document) in the newest committed GPU run that matches."""
+    docs = [d for d in results.load_results(scenario) if all(d["config"].get(k) == v for k, v in config.items())]
+    if not docs:
+        return None, None
+    peaks = [v.get("peak_mem_bytes") or 0 for v in docs[0]["variants"] if variant in (None, v["name"])]
+    return (max(peaks) / 2**30 if peaks else None), docs[0]
+
+for what, (peak, doc) in [
+        ("qwen3-14b x10, 16384 tokens, standard checkpointing",
+         h200_peak("offload", "checkpointing (standard)", model="qwen3-14b", num_layers=10, tokens_per_step=16384)),
+        ("qwen3-14b x10, 8192 tokens, no checkpointing",
+         h200_peak("offload", "no checkpointing", model="qwen3-14b", num_layers=10, tokens_per_step=8192)),
+        ("qwen3-0.6b x28, 4096 tokens, standard checkpointing",
+         h200_peak("packed_metadata", model="qwen3-0.6b", num_layers=28, tokens_per_step=4096, mix="realistic",
+                   backend="sdpa"))]:
+    print(f"{what:52s} " + (f"{peak:5.1f} GiB on the H200  [{results.describe_run(doc)}]" if peak else "not measured"))
+for name, c in CHOICES.items():
+    print(f"{name} x{c['layers']}, {c['tokens']} tokens (equivalence check at {c['eq_tokens']}): needs {c['gib']} GiB here")
 '''),
 ("md", r'''
 ### The schedule, in principle
 Before measuring anything, here is what the stream dependencies the offload code issues *imply* for given copy
-and compute durations (`fastsft_lab.timeline.simulate_schedule` — a **model**, not a run). The rule that matters:
-the reload of layer k waits for its staging slot to be freed by the backward of the last layer that used it. With
-one buffer that is layer k+1, the layer just before it in the backward; with two buffers it is layer k+2.
-The durations come from the GPU run below when it is present, else from an illustrative ratio.
+and compute durations (`fastsft_lab.lab.timelines.simulate_schedule` — a **model**, not a run). The rule that
+matters: the reload of layer k waits for its staging slot to be freed by the backward of the last layer that used
+it. With one buffer that is layer k+1, the layer just before it in the backward; with two buffers it is layer k+2.
+The durations are the per-layer means of the committed H200 timeline.
 '''),
 ("code", r'''
-import matplotlib.pyplot as plt
-from fastsft_lab import offload as O
-from fastsft_lab.timeline import simulate_schedule, plot_timelines, copy_overlap, span_ms
+from fastsft_lab.lab.timelines import simulate_schedule, copy_overlap, span_ms
 
-gpu = O.load_results(device_type="cuda")      # the H200 run, if benchmarks/results holds it
+gpu = results.offload_results()      # the newest committed GPU run of each kind (offload, timeline, sweep, vram)
 def per_layer(doc, name, kind):
     ev = [e for e in doc["timelines"][name] if e["kind"] == kind]
     return sum(e["end_ms"] - e["start_ms"] for e in ev) / max(1, len(ev))
 
-if gpu["timeline"]:
-    doc = gpu["timeline"][-1]
-    name = "offload x1 (single buffer)"
-    fwd, bwd, copy = (per_layer(doc, name, k) for k in ("fwd", "bwd", "h2d"))
-    source = f"durations measured on {doc['env']['gpu_name']} at {doc['config']['tokens_per_step']} tokens"
-else:
-    fwd, bwd, copy = 0.5, 1.0, 0.35
-    source = "illustrative durations (copy = 0.35 x backward): no GPU run found under benchmarks/results"
+doc = gpu["timeline"][-1]
+name = "offload x1 (single buffer)"
+fwd, bwd, copy = (per_layer(doc, name, k) for k in ("fwd", "bwd", "h2d"))
+print(f"per-layer means measured with one buffer at {doc['config']['tokens_per_step']} tokens: forward {fwd:.1f} ms, "
+      f"backward {bwd:.1f} ms, reload {copy:.1f} ms  [{results.describe_run(doc)}]")
 model_one = simulate_schedule(8, fwd_ms=fwd, bwd_ms=bwd, copy_ms=copy, buffers=1)
 model_two = simulate_schedule(8, fwd_ms=fwd, bwd_ms=bwd, copy_ms=copy, buffers=2)
-plot_timelines({"MODEL - one staging buffer": model_one, "MODEL - two staging buffers": model_two},
-               suptitle=f"schedule model, 8 layers ({source})")
-plt.show()
+fig = plots.plot_timelines({"MODEL - one staging buffer": model_one, "MODEL - two staging buffers": model_two},
+                           suptitle=f"schedule model, 8 layers, with the H200's per-layer durations")
+display(fig); plt.close(fig)
 print(f"model: two buffers save {span_ms(model_one) - span_ms(model_two):.2f} ms of {span_ms(model_one):.2f} ms "
       f"({span_ms(model_one) / span_ms(model_two) - 1:+.1%})")
 '''),
@@ -117,32 +166,33 @@ print(f"{MODEL}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, built
       f"= {TOKENS * cfg.hidden_size * torch.finfo(DTYPE).bits // 8 / 2**20:.1f} MiB")
 '''),
 ("code", r'''
-from fastsft_lab.bench import Variant
+from fastsft_lab.lab.scenarios.offload import make_variants, trace_step
 
-variants, _ = O.make_variants(model, ["offload1", "offload2p"])
+variants, _ = make_variants(model, ["offload1", "offload2p"])
 single, double = variants
-trace_single = O.trace_step(model, batches[0], single)     # one extra step, copy/compute intervals recorded
 where = "CUDA events on the copy and compute streams" if DEVICE == "cuda" else \
         "CPU: no streams, every copy runs inline (nothing CAN overlap here)"
-plot_timelines({"one staging buffer (measured here)": trace_single}, suptitle=f"{where}")
-plt.show()
-ov = copy_overlap(trace_single)
-print(f"reload copies {ov['h2d_ms']:.3f} ms, hidden behind compute: {ov['h2d_hidden_share'] or 0:.0%}"
-      + (f", compute waited {ov['reload_stall_ms']:.2f} ms for them" if DEVICE == "cuda" else ""))
+if TIME_OFFLOAD:
+    trace_single = trace_step(model, batches[0], single)     # one extra step, copy/compute intervals recorded
+    fig = plots.plot_timelines({"one staging buffer (measured here)": trace_single}, suptitle=where)
+    display(fig); plt.close(fig)
+    ov = copy_overlap(trace_single)
+    print(f"reload copies {ov['h2d_ms']:.3f} ms, hidden behind compute: {ov['h2d_hidden_share'] or 0:.0%}"
+          + (f", compute waited {ov['reload_stall_ms']:.2f} ms for them" if DEVICE == "cuda" else ""))
+else:
+    print("unified memory: no timeline measured here (an offload copy moves nothing on this GPU)")
 '''),
 ("code", r'''
-# The same picture from the H200 run (loaded, not re-run here)
-if gpu["timeline"]:
-    doc = gpu["timeline"][-1]
-    env, c = doc["env"], doc["config"]
-    plot_timelines({"one staging buffer": doc["timelines"]["offload x1 (single buffer)"]},
-                   suptitle=f"measured on {env['gpu_name']}: {c['model']} x{c['num_layers']} layers, "
-                            f"{c['tokens_per_step']} tokens (CUDA events)")
-    plt.show()
-    print("copy/compute overlap, one buffer:", doc["overlap"].get("offload x1 (single buffer)"))
-else:
-    print(f"No GPU timeline under {gpu['root']} yet: run `python -m fastsft_lab bench --only offload` on a GPU "
-          "and copy its output folder there.")
+# The same picture from the H200 run (committed, not re-run here)
+doc = gpu["timeline"][-1]
+c = doc["config"]
+fig = plots.plot_timelines({"one staging buffer": doc["timelines"]["offload x1 (single buffer)"]},
+                           suptitle=f"H200: {c['model']} x{c['num_layers']} layers, {c['tokens_per_step']} tokens "
+                                    f"(CUDA events)")
+display(fig); plt.close(fig)
+ov = doc["overlap"]["offload x1 (single buffer)"]
+print(f"one buffer: reloads hidden behind compute {ov['h2d_hidden_share']:.0%}, compute waited "
+      f"{ov['reload_stall_ms']:.1f} ms for them  [{results.describe_run(doc)}]")
 '''),
 ("md", r'''
 ## The fix: two staging buffers, per-slot events, prefetch
@@ -170,6 +220,13 @@ compute  | bwd L9 | bwd L8 | bwd L7 |
 copy     | h2d L8 | h2d L7 | h2d L6 |                    <- hidden behind compute
 ```
 
+```python
+from fastsft_lab.offload import enable_offloaded_checkpointing, disable_offloaded_checkpointing, offload_manager
+enable_offloaded_checkpointing(model, buffers=2, prefetch=True)   # returns the model's ModelState
+manager = offload_manager(model)                                   # pool, staging buffers, stats, stream log
+disable_offloaded_checkpointing(model)                             # exactly what was there before
+```
+
 ### Correct before fast
 Loss and every gradient of each mode against transformers' standard (non-reentrant) checkpointing and against a
 run with no checkpointing at all — the reference that nothing here touches. LoRA adapters of the first layer get
@@ -177,40 +234,24 @@ their gradients even though that layer's input does not require grad (torch's re
 drop them).
 
 **What the first H200 run showed.** Executed on an H200 at real size (Qwen3-14B width, 10 layers, NF4 + LoRA r16,
-8192 tokens in one row, bf16), this check printed *standard == no checkpointing: True* but *False* for every offload
-mode, the single buffer included, while the tiny CUDA tests passed on the same machine. The cell below reads those
-lines from the committed GPU-executed copy of this notebook. The cause, found by reading the code against CUDA's
-stream rules: the staging buffers were allocated on the **compute** stream but first written by the **copy**
-stream. The caching allocator only orders a block's reuse for the stream it is allocated on, so the first reload of
-a step could overwrite memory whose previous users — the loss and LM-head backward, still queued on the GPU when
-the CPU reaches the last layer's backward — had not run yet. With microsecond kernels the GPU has finished them by
-then, so only real sizes showed it. The buffers are now allocated on the copy stream. A second, possible
-contributor was changed too: the offloaded forward ran under `no_grad`, where SDPA may pick another backend than
-the standard forward does; it now runs with grad mode on (`check_transport` below tells, on a GPU, whether the
-forward bits and the reloaded bits match). **Re-checked on the H200 after these fixes** (second session of
-2026-12-02, this copy of the notebook): every mode now matches standard checkpointing and no checkpointing at
-this size; the largest gradient difference from standard checkpointing (8.7e-05) is the size of standard
-checkpointing's own difference from no checkpointing (9.2e-05), i.e. bf16 backward noise, and the reloads and the offloaded
-forward are bitwise intact (cells below).
-'''),
-("code", r'''
-# What the first H200 run printed (read from the committed GPU-executed notebook, not re-run here)
-import json, pathlib
-H200_NB = "benchmarks/results/h200-2026-12-02/notebooks/02_double_buffered_offload.h200.ipynb"
-h200_nb = pathlib.Path(O.default_results_dir()).parents[1] / H200_NB
-if h200_nb.exists():
-    for c in json.loads(h200_nb.read_text())["cells"]:
-        if c["cell_type"] == "code" and "check_equivalence" in "".join(c["source"]):
-            for o in c.get("outputs", []):
-                print("".join(o.get("text", "")), end="")
-    print(f"(from {H200_NB}, before the fix)")
-else:
-    print(f"{H200_NB} is not in this checkout.")
+one packed row, bf16), an earlier version of this check printed *standard == no checkpointing: True* but *False*
+for every offload mode, the single buffer included, while the tiny CUDA tests passed on the same machine
+([that GPU-executed copy of this notebook](https://github.com/fastsft-lab/fastsft_lab/blob/main/benchmarks/results/h200-2026-12-02/notebooks/02_double_buffered_offload.h200.ipynb)).
+The cause, found by reading the code against CUDA's stream rules: the staging buffers were allocated on the
+**compute** stream but first written by the **copy** stream. The caching allocator only orders a block's reuse for
+the stream it is allocated on, so the first reload of a step could overwrite memory whose previous users — the loss
+and LM-head backward, still queued on the GPU when the CPU reaches the last layer's backward — had not run yet. With
+microsecond kernels the GPU has finished them by then, so only real sizes showed it. The buffers are now allocated
+on the copy stream. A second, possible contributor was changed too: the offloaded forward ran under `no_grad`, where
+SDPA may pick another backend than the standard forward does; it now runs with grad mode on (`check_transport`
+below tells, on a GPU, whether the forward bits and the reloaded bits match). The next H200 session re-ran the
+check after these fixes and every mode matched, within bf16 noise of standard checkpointing
+(`benchmarks/results/h200-2026-12-02b/README.md`); on a GPU, the cells below run that same check on this machine.
 '''),
 ("md", r'''
 **The ordering, checked on any machine.** Every stream operation the manager issues (waits, event records, copies,
 which buffer each one reads or writes, allocations and frees) is logged — on a CPU too, where the very same code
-runs synchronously — and `fastsft_lab.timeline.check_stream_order` replays the log as a happens-before model of
+runs synchronously — and `fastsft_lab.offload.check_stream_order` replays the log as a happens-before model of
 CUDA streams: every pair of accesses to one buffer from two streams, at least one a write, must be ordered by a
 stream wait or an event. The allocation pattern of the first version fails it (`tests/test_offload.py` has that
 negative control and four more). Then the gradients of a tiny model in float32 on the CPU, which must be *exactly*
@@ -218,28 +259,32 @@ equal. Both print the same on every machine.
 '''),
 ("code", r'''
 # NBVAL_CHECK_OUTPUT
-from fastsft_lab.timeline import check_stream_order
+from fastsft_lab.offload import (enable_offloaded_checkpointing, disable_offloaded_checkpointing, offload_manager,
+                                 check_stream_order)
+from fastsft_lab.evidence import check_equivalence, format_equivalence, check_transport, check_no_leak
+
 tiny = build_model("tiny-qwen3", device="cpu", dtype=torch.float32, lora=LoraSettings(rank=8))
 tiny_inputs = benchmark_batches(tokens_per_step=256, row_tokens=128, steps=1, vocab_size=tiny.config.vocab_size,
                                 mix="short")[0].model_inputs()
 for buffers, prefetch in ((1, False), (2, False), (2, True)):
-    manager = O.enable_offloaded_checkpointing(tiny, buffers, prefetch)
+    enable_offloaded_checkpointing(tiny, buffers, prefetch)
+    manager = offload_manager(tiny)
     manager.stream_log = []
     for _ in range(2):
         tiny(**tiny_inputs).loss.backward()
-    O.disable_offloaded_checkpointing(tiny)
+    disable_offloaded_checkpointing(tiny)
     problems = check_stream_order(manager.stream_log)
     manager.stream_log = None
     print(f"{'offload x%d' % buffers + (' + prefetch' if prefetch else ''):22s} unordered cross-stream accesses: "
           f"{len(problems)}")
 tiny.zero_grad(set_to_none=True)
-eq_tiny = O.check_equivalence(tiny, tiny_inputs)    # float32 on a CPU: exact
+eq_tiny = check_equivalence(tiny, tiny_inputs)    # float32 on a CPU: exact
 print("standard checkpointing == no checkpointing:", eq_tiny["standard_vs_no_checkpointing"])
 for mode in ("offload x1", "offload x2", "offload x2 + prefetch"):
     r = eq_tiny[mode]
     print(f"{mode:22s} == standard: {r['vs_standard']}   == no checkpointing: {r['vs_no_checkpointing']}   "
           f"bitwise: {r['report']['vs_standard']['bitwise_equal']}")
-O.disable_offloaded_checkpointing(tiny, release_pool=True)
+disable_offloaded_checkpointing(tiny, release_pool=True)
 del tiny
 '''),
 ("md", r'''
@@ -252,18 +297,18 @@ depend on the machine.
 ("code", r'''
 eq_batch = benchmark_batches(tokens_per_step=EQ_TOKENS, row_tokens=min(ROW_TOKENS, EQ_TOKENS), steps=1,
                              vocab_size=vocab, mix="short" if SMOKE else "realistic")[0].to(DEVICE)
-eq = O.check_equivalence(model, eq_batch.model_inputs())
+eq = check_equivalence(model, eq_batch.model_inputs())
 print(f"{MODEL} x{cfg.num_hidden_layers} layers, {EQ_TOKENS} tokens, {str(DTYPE).replace('torch.', '')} on {DEVICE}:")
-print(O.format_equivalence(eq))
+print(format_equivalence(eq))
 if DEVICE == "cuda":
-    for mode, r in O.check_transport(model, eq_batch.model_inputs()).items():
+    for mode, r in check_transport(model, eq_batch.model_inputs()).items():
         print(f"{mode:22s} reloads bitwise intact: {r['transport_ok']} ({r['checked']} checks); offloaded forward "
               f"== plain forward bitwise: {r['forward_inputs_bitwise_equal']} (max |diff| "
               f"{r['forward_inputs_max_abs_diff']:.3g})")
 '''),
 ("code", r'''
 # NBVAL_CHECK_OUTPUT
-leak = O.check_no_leak(model, batches[0].model_inputs(), steps=8)
+leak = check_no_leak(model, batches[0].model_inputs(), steps=8)
 print("pinned pool flat after step 1:", leak["pool_flat_after_step_1"])
 print("registry empty after every backward:", leak["registry_empty_after_each_backward"])
 '''),
@@ -280,49 +325,68 @@ checkpointing is the 1.00x baseline. On a CPU all copies are synchronous, so thi
 machinery costs little — the overlap is a GPU result (below).
 '''),
 ("code", r'''
-from fastsft_lab.bench import run_variants, make_result, format_table
+from fastsft_lab.lab.harness import run_variants, make_result, format_table
 
 keys = ["standard", "offload1", "offload2", "offload2p"] + (["none"] if SMOKE else [])
-variants, toggles = O.make_variants(model, keys)
-rows = run_variants(model, batches, variants, steps=STEPS, warmup=1, progress=False, count_syncs=False)
-here = make_result("offload", {"model": MODEL, "num_layers": cfg.num_hidden_layers, "tokens_per_step": TOKENS}, rows,
-                   DEVICE)
-print(format_table(here))
-'''),
-("code", r'''
-trace_double = O.trace_step(model, batches[0], double)
-plot_timelines({"one staging buffer (measured here)": trace_single,
-                "two buffers + prefetch (measured here)": trace_double}, suptitle=where)
-plt.show()
-for name, ev in (("one buffer", trace_single), ("two buffers + prefetch", trace_double)):
-    ov = copy_overlap(ev)
-    if DEVICE == "cuda":
-        print(f"{name:24s} reload copies {ov['h2d_ms']:.2f} ms, hidden {ov['h2d_hidden_share'] or 0:.0%}, "
-              f"compute waited {ov['reload_stall_ms']:.2f} ms")
-    else:   # inline copies: the gaps between layers are Python time, not waiting on a copy
-        print(f"{name:24s} reload copies {ov['h2d_ms']:.3f} ms in all (synchronous on a CPU: nothing to hide)")
-'''),
-("code", r'''
-# The H200 run: the same two timelines, then every variant at every token count
-if gpu["timeline"]:
-    doc = gpu["timeline"][-1]
-    env, c = doc["env"], doc["config"]
-    tl = {k: doc["timelines"][k] for k in ("offload x1 (single buffer)", "offload x2 + prefetch")
-          if k in doc["timelines"]}
-    plot_timelines(tl, suptitle=f"measured on {env['gpu_name']}: {c['model']} x{c['num_layers']} layers, "
-                                f"{c['tokens_per_step']} tokens (CUDA events)")
-    plt.show()
-    for k, ov in doc["overlap"].items():
-        print(f"{k:28s} copies hidden behind compute: {ov['hidden_share']:.0%} "
-              f"(reloads {ov['h2d_hidden_share']:.0%}), compute waited {ov['reload_stall_ms']:.1f} ms for reloads")
-if gpu["offload"]:
-    print(O.results_table(gpu["offload"]))
-    O.plot_across_tokens(gpu["offload"])
-    plt.show()
-    for r in gpu["offload"]:
-        print(r["config"]["tokens_per_step"], "tokens:", r.get("derived"))
+variants, toggles = make_variants(model, keys)
+if TIME_OFFLOAD:
+    rows = run_variants(model, batches, variants, steps=STEPS, warmup=1, progress=False, count_syncs=False)
+    here = make_result("offload", {"model": MODEL, "num_layers": cfg.num_hidden_layers, "tokens_per_step": TOKENS},
+                       rows, DEVICE)
+    print(format_table(here))
+    fig = plots.plot_offload_result(here)
+    display(fig); plt.close(fig)
 else:
-    print(f"No GPU results under {gpu['root']} yet.")
+    print("unified memory: the offload modes are not timed here (an offload copy moves nothing on this GPU)")
+'''),
+("code", r'''
+if TIME_OFFLOAD:
+    trace_double = trace_step(model, batches[0], double)
+    fig = plots.plot_timelines({"one staging buffer (measured here)": trace_single,
+                                "two buffers + prefetch (measured here)": trace_double}, suptitle=where)
+    display(fig); plt.close(fig)
+    for name, ev in (("one buffer", trace_single), ("two buffers + prefetch", trace_double)):
+        ov = copy_overlap(ev)
+        if DEVICE == "cuda":
+            print(f"{name:24s} reload copies {ov['h2d_ms']:.2f} ms, hidden {ov['h2d_hidden_share'] or 0:.0%}, "
+                  f"compute waited {ov['reload_stall_ms']:.2f} ms")
+        else:   # inline copies: the gaps between layers are Python time, not waiting on a copy
+            print(f"{name:24s} reload copies {ov['h2d_ms']:.3f} ms in all (synchronous on a CPU: nothing to hide)")
+'''),
+("md", r'''
+### On the H200 (committed results)
+The same two timelines, then every variant at every token count of the newest committed offload run (one document
+per token count: the one with the most variants), with the figures the benchmark derives from them.
+'''),
+("code", r'''
+doc = gpu["timeline"][-1]
+c = doc["config"]
+tl = {k: doc["timelines"][k] for k in ("offload x1 (single buffer)", "offload x2 + prefetch") if k in doc["timelines"]}
+fig = plots.plot_timelines(tl, suptitle=f"H200: {c['model']} x{c['num_layers']} layers, {c['tokens_per_step']} tokens "
+                                        f"(CUDA events)")
+display(fig); plt.close(fig)
+print(f"[{results.describe_run(doc)}]")
+for k, ov in doc["overlap"].items():
+    print(f"{k:28s} copies hidden behind compute: {ov['hidden_share']:.0%} "
+          f"(reloads {ov['h2d_hidden_share']:.0%}), compute waited {ov['reload_stall_ms']:.1f} ms for reloads")
+'''),
+("code", r'''
+from fastsft_lab.lab.scenarios.offload import results_table
+
+by_tokens = {}
+for d in gpu["offload"]:          # the newest run may hold one token count twice: keep the fuller document
+    t = d["config"]["tokens_per_step"]
+    if t not in by_tokens or len(d["variants"]) > len(by_tokens[t]["variants"]):
+        by_tokens[t] = d
+offload_docs = [by_tokens[t] for t in sorted(by_tokens)]
+print(f"{offload_docs[0]['config']['model']} x{offload_docs[0]['config']['num_layers']} layers  "
+      f"[{results.describe_run(offload_docs[0])}]; files: {', '.join(d['_path'] for d in offload_docs)}")
+print("(each cell: step time, its ratio to standard checkpointing's step time — lower is faster —, peak memory)")
+print(results_table(offload_docs))
+fig = plots.plot_across_tokens(offload_docs)
+display(fig); plt.close(fig)
+for d in offload_docs:
+    print(d["config"]["tokens_per_step"], "tokens:", d.get("derived"))
 '''),
 ("md", r'''
 ## What it costs
@@ -334,40 +398,43 @@ else:
   vocabulary (64 GB after power-of-two rounding). That is what ran the issue's 32k run out of host memory; the
   benchmark estimates it and skips with a recorded reason instead of dying. Transformers' own `offload=True` wraps
   `save_on_cpu` around each layer's checkpoint only, so it pins just the layer inputs.
-- **Time**: two copies per layer per step. When the copy is small next to the layer's compute (an H200 at long
+- **Time**: two copies per layer per step. When the copy is small next to the layer's compute (a fast GPU at long
   sequences), it is hidden and the second buffer buys little; offloading only pays when the memory it frees is
   needed. At short sequences the fixed costs (RNG state, events, a recompute launched from a nested backward) are a
   larger share of a short step.
 '''),
 ("code", r'''
+from fastsft_lab.lab.scenarios.offload import vram_saved_estimate
+
 mem = toggles["offload x2 + prefetch"].last_memory
-dtype_bytes = torch.finfo(DTYPE).bits // 8
+manager = offload_manager(model)
 print(f"here: second staging buffer {mem.get('staging_bytes_per_buffer', 0) / 2**20:.2f} MiB, "
-      f"pinned pool {O.offload_manager(model).pool.nbytes / 2**20 if O.offload_manager(model) else 0:.2f} MiB "
+      f"pinned pool {manager.pool.nbytes / 2**20 if manager else 0:.2f} MiB "
       f"({'pinned' if DEVICE == 'cuda' else 'ordinary memory on a CPU'})")
 for tokens in (8192, 16384, 32768):   # analytic: Qwen3-14B, all 40 layers
-    est = O.vram_saved_estimate(40, tokens, 5120, 2, 2 * tokens * 5120 * 2)
+    est = vram_saved_estimate(40, tokens, 5120, 2, 2 * tokens * 5120 * 2)
     print(f"Qwen3-14B, 40 layers, {tokens:5d} tokens: checkpointing keeps {est['checkpoint_inputs_bytes'] / 1e9:5.2f} GB "
           f"of layer inputs; offload x2 keeps {est['offload2_staging_bytes'] / 1e9:.2f} GB of staging -> "
           f"saves {est['net_saved_bytes'] / 1e9:5.2f} GB")
-if gpu["vram"]:
-    for r in gpu["vram"]:
-        print("measured at full depth:", r["config"]["num_layers"], "layers", r["config"]["tokens_per_step"], "tokens:",
-              {v["name"]: round((v.get("peak_mem_bytes") or 0) / 2**30, 2) for v in r["variants"]}, "GiB peak")
+for r in gpu["vram"]:
+    print(f"measured at full depth on the H200, {r['config']['num_layers']} layers, {r['config']['tokens_per_step']} "
+          f"tokens:", {v["name"]: f"{(v.get('peak_mem_bytes') or 0) / 2**30:.2f} GiB" for v in r["variants"]},
+          f"peak  [{results.describe_run(r)}]")
+'''),
+("md", r'''
+### Where does the second buffer matter?
+The regime sweep of the H200 run (several widths and row lengths, a few layers each): the gain of two buffers +
+prefetch over one buffer against the measured ratio of reload time to layer backward time, with the schedule
+model's curve for comparison.
 '''),
 ("code", r'''
-# Where does the second buffer matter? (regime sweep on the GPU, with the schedule model's curve)
-import os, tempfile
-if gpu["sweep"]:
-    path = O.plot_sweep(gpu["sweep"][-1], os.path.join(tempfile.mkdtemp(), "sweep.png"))
-    for p in gpu["sweep"][-1]["points"]:
-        print({k: p.get(k) for k in ("preset", "hidden_size", "tokens", "copy_to_backward_ratio", "gain_x2p_vs_x1",
-                                     "gain_x2p_vs_x1_serial")})
-else:
-    path = O.plot_sweep({"points": []}, os.path.join(tempfile.mkdtemp(), "sweep.png"))
-    print("No GPU sweep found: showing the schedule model only (`--set offload.sweep=true` on a GPU adds the points).")
-from IPython.display import Image, display
-display(Image(path))
+sweep = gpu["sweep"][0]
+print(f"[{results.describe_run(sweep)}]")
+for p in sweep["points"]:
+    print({k: p.get(k) for k in ("preset", "hidden_size", "tokens", "copy_to_backward_ratio", "gain_x2p_vs_x1",
+                                 "gain_x2p_vs_x1_serial")})
+fig = plots.plot_sweep(sweep)
+display(fig); plt.close(fig)
 '''),
 ("md", r'''
 ## Summary and further reading
@@ -376,21 +443,24 @@ display(Image(path))
 - With one staging buffer, reloads and backward compute take turns; with two buffers (slot = parity, free/ready
   events per slot) and a prefetch the reload runs under the previous layer's backward. The gain is the exposed copy
   time: large when copies are slow relative to compute (narrow layers, short rows, slower links, or a design that
-  also serialises the forward copies), small on an H200 at long sequences — the sweep shows the regime.
-- Numbers unchanged (exact in float32 on a CPU; on a GPU, the real-size re-check after the staging-allocation fix
-  is still to run), no leak, an exact way back: `disable_offloaded_checkpointing(model)`.
+  also serialises the forward copies), small on a fast GPU at long sequences — the sweep shows the regime.
+- Numbers unchanged: exact in float32 on a CPU, and within bf16 noise of standard checkpointing at real size on a
+  GPU (the equivalence cell above, on the machine printed at the top, says so for this run); no leak; an exact way
+  back: `disable_offloaded_checkpointing(model)`.
 - Stream ordering is easy to get subtly wrong and only shows at real sizes: log the operations and check them
   (`check_stream_order`), and verify the reloaded bits on the GPU (`check_transport`).
 
 Further reading: PyTorch's [pinned memory and non_blocking tutorial](https://pytorch.org/tutorials/intermediate/pinmem_nonblock.html),
 `torch.autograd.graph.save_on_cpu`, torchtune's `OffloadActivations`, transformers'
-`gradient_checkpointing_enable(offload=...)`, and `fastsft_lab/offload.py` (the manager, with its stream-order
-log, is ~400 lines; `OffloadManager`'s docstring lists every cross-stream hazard and what orders it).
+`gradient_checkpointing_enable(offload=...)`, and `fastsft_lab/offload/` (the manager, its stream operations and
+their log, the slot policy; `OffloadManager`'s docstring lists every cross-stream hazard and what orders it).
 '''),
 ("code", r'''
-O.disable_offloaded_checkpointing(model, release_pool=True)
+disable_offloaded_checkpointing(model, release_pool=True)
+print(f"notebook ran in {time.time() - T0:.0f} s on: {describe()}")
 if DEVICE == "cuda":
-    print(f"peak GPU memory in this notebook: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
-print(f"notebook ran in {time.time() - T0:.0f} s")
+    print(f"peak GPU memory over the notebook: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+else:
+    print("peak memory: not tracked on a CPU (it is a CUDA allocator statistic)")
 '''),
 ]
