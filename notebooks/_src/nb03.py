@@ -15,26 +15,38 @@ CELLS = [
   and what they cost (one host read per layer; `grouped_mm` needs bf16 on an sm80+ GPU; NF4 experts).
 
 **Prerequisites.** Runs anywhere. Without a GPU it runs in *smoke mode* (a tiny GPT-OSS with the real structure:
-8 experts, top-2, biases, clamped gate), in well under two minutes. With a GPU it builds 4 layers of the real
-GPT-OSS-20B architecture (random bf16 weights, 32 experts, top-4). Switch with `SMOKE=1`/`SMOKE=0`.
+8 experts, top-2, biases, clamped gate), in well under two minutes. With a GPU it builds layers of the real
+GPT-OSS-20B architecture (random weights, 32 experts, top-4): four of them on a large GPU, one on a small one such
+as Colab's T4 (the parameters cell says which, and prints the peak memory the committed H200 run of the larger
+configuration measured). Switch with `SMOKE=1`/`SMOKE=0`. `sync_free` needs a grouped matmul (bf16 on an sm80+
+GPU); on an older GPU it falls back to `grouped` and says so.
 
 **The problem.** GPT-OSS-20B has 32 experts in each of its 24 layers. transformers' `eager` experts (and most MoE
 code written by hand) loop over the experts that received tokens and, for each, run `torch.where(mask)` to find
 their tokens and compare the expert id on the host. Each of those is a sync: the CPU stops issuing kernels until the
 GPU has finished everything queued, the queue drains, and the GPU idles while Python decides what to launch next.
-Measured on an H200 (transformers 5.17, 4×2048 tokens, no-grad forward of all 24 layers): over 5,000 host syncs,
-1040 ms; transformers' own `grouped_mm` experts: 14 syncs, 741 ms.
+The committed H200 results at the end of this notebook put numbers on it: host syncs and time per step for each
+mode, at GPT-OSS-20B width.
 '''),
 ("colab", ""),                # the shared Colab install cell (build.py)
 ("code", r'''
-import time
 import warnings
-import torch
-from fastsft_lab.env import describe, smoke_mode, has_cuda
-
-SMOKE = smoke_mode()          # SMOKE=1/0 in the environment overrides; default: on without a GPU
-T0 = time.time()
+warnings.filterwarnings("ignore", message="IProgress not found")       # tqdm without ipywidgets: before any import of tqdm
 warnings.filterwarnings("ignore", category=RuntimeWarning, module="peft")
+import logging
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)   # its CPU build's notice about an optional kernel package
+import time
+import torch
+import matplotlib.pyplot as plt
+from IPython.display import display
+from IPython.core.pylabtools import select_figure_formats
+from fastsft_lab.env import describe, smoke_mode, device_profile
+from fastsft_lab.lab import plots, results
+
+select_figure_formats(get_ipython(), {"png"})   # display(fig) embeds a PNG under any matplotlib backend (CI: Agg)
+SMOKE = smoke_mode()          # SMOKE=1/0 in the environment overrides; default: on without a GPU
+PROFILE = device_profile()    # the GPU's name, capability and memory, and the choices they imply
+T0 = time.time()
 print(describe())
 '''),
 ("md", r'''
@@ -42,18 +54,46 @@ print(describe())
 Everything below is derived from these.
 '''),
 ("code", r'''
+# GiB each GPU choice needs: the committed H200 peak of the 4-layer training step (next cell) plus headroom; the
+# 1-layer choice was not run on the H200 (next cell: its weights, counted, and the logits it adds).
+CHOICES = {"4 layers, 8192 tokens": dict(layers=4, tokens=8192, row=2048, gib=56),    # 4 of 24 layers, real width
+           "1 layer, 2048 tokens": dict(layers=1, tokens=2048, row=1024, gib=14)}     # fits a 16 GB T4
+DEVICE, DTYPE = PROFILE.device, PROFILE.dtype   # bf16 from sm80 on, fp16 on a T4, float32 on a CPU
+CHOICE = PROFILE.pick({name: c["gib"] for name, c in CHOICES.items()}) if not SMOKE else None
+if not SMOKE and CHOICE is None:
+    print(f"{PROFILE.name}: {PROFILE.memory_gib:.0f} GiB is less than the smallest choice needs: smoke sizes instead")
+    SMOKE = True
 if SMOKE:
     PRESET, NUM_LAYERS, TOKENS, ROW_TOKENS, STEPS = "tiny-gpt-oss", None, 256, 128, 3
     MICRO_TOKENS, MICRO_REPS = 256, 3
+    why = "smoke mode: a tiny GPT-OSS with the real structure"
 else:
-    PRESET, NUM_LAYERS, TOKENS, ROW_TOKENS, STEPS = "gpt-oss-20b", 4, 8192, 2048, 6   # 4 of 24 layers, real width
-    MICRO_TOKENS, MICRO_REPS = 8192, 10
-DEVICE = "cuda" if has_cuda() else "cpu"
-DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    c = CHOICES[CHOICE]
+    PRESET, NUM_LAYERS, TOKENS, ROW_TOKENS, STEPS = "gpt-oss-20b", c["layers"], c["tokens"], c["row"], 6
+    MICRO_TOKENS, MICRO_REPS = c["tokens"], 10
+    why = f"GPT-OSS-20B, {CHOICE}: the largest choice whose need ({c['gib']} GiB) fits in {PROFILE.memory_gib:.0f} GiB"
 LORA_RANK = 16
 if DEVICE == "cpu":
     torch.set_num_threads(1)  # tiny models: threads only add noise on a small shared CPU
-print(dict(PRESET=PRESET, NUM_LAYERS=NUM_LAYERS, TOKENS=TOKENS, ROW_TOKENS=ROW_TOKENS, DEVICE=DEVICE, DTYPE=DTYPE))
+print(PROFILE.describe())
+print(why)
+print(dict(PRESET=PRESET, NUM_LAYERS=NUM_LAYERS, TOKENS=TOKENS, ROW_TOKENS=ROW_TOKENS, DEVICE=DEVICE, DTYPE=str(DTYPE)))
+'''),
+("code", r'''
+# What the GPU choices need: the committed H200 peaks of the 4-layer configuration, and the 1-layer one's sizes
+from fastsft_lab.models import count_parameters
+
+for mode in ("train", "forward"):
+    docs = [d for d in results.load_results("moe-routing") if d["config"]["model"] == "gpt-oss-20b"
+            and d["config"]["num_layers"] == 4 and d["config"]["tokens_per_step"] == 8192 and d["config"]["mode"] == mode]
+    if docs:
+        peak = max(v.get("peak_mem_bytes") or 0 for v in docs[0]["variants"]) / 2**30
+        print(f"gpt-oss-20b, 4 layers, 8192 tokens, {mode:7s} step: {peak:5.1f} GiB peak on the H200  "
+              f"[{results.describe_run(docs[0])}]")
+weights = count_parameters("gpt-oss-20b", num_layers=1) * 2 / 2**30          # bf16/fp16, counted on the meta device
+logits = 2048 * 201088 * (2 + 4 + 4) / 2**30                                  # logits, their fp32 upcast and its grad
+print(f"gpt-oss-20b, 1 layer, 2048 tokens: weights {weights:.1f} GiB + logits {logits:.1f} GiB (+ activations); "
+      f"needs {CHOICES['1 layer, 2048 tokens']['gib']} GiB here")
 '''),
 ("md", r'''
 ## The naive path: one question per expert
@@ -79,6 +119,7 @@ from fastsft_lab.models import build_model, LoraSettings
 from fastsft_lab.data import benchmark_batches
 from fastsft_lab.profiling import SyncCounter
 from fastsft_lab import moe
+from fastsft_lab.lab.scenarios.moe import routing_stats, routing_variants, experts_microbenchmark
 
 model = build_model(PRESET, device=DEVICE, dtype=DTYPE, num_layers=NUM_LAYERS,
                     lora=LoraSettings(rank=LORA_RANK, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
@@ -89,7 +130,7 @@ batches = [b.to(DEVICE) for b in benchmark_batches(tokens_per_step=TOKENS, row_t
                                                    vocab_size=model.config.vocab_size,
                                                    mix="short" if SMOKE else "realistic")]
 inputs = batches[0].model_inputs()
-stats = moe.routing_stats(model, inputs)
+stats = routing_stats(model, inputs)
 syncs = {}
 for mode in moe.MODES:
     with moe.moe_routing(model, mode), SyncCounter.for_decoder_layers(model) as counter, torch.no_grad():
@@ -114,8 +155,8 @@ for one expert, waits until the GPU has run them, then launches the next expert'
 On a CPU run there is no GPU lane; the red marks show where a GPU would stall.
 '''),
 ("code", r'''
-import matplotlib.pyplot as plt
 from fastsft_lab.models import decoder_layers
+from fastsft_lab.profiling import host_device_timeline
 
 mlp = decoder_layers(model)[0].mlp
 x = torch.randn(TOKENS, model.config.hidden_size, device=DEVICE, dtype=DTYPE)
@@ -125,10 +166,12 @@ lines = {}
 for mode in moe.MODES:
     with moe.moe_routing(model, mode), torch.no_grad():
         mlp.experts(x, idx, w)  # warm-up
-        lines[mode] = moe.timeline(lambda: mlp.experts(x, idx, w), DEVICE)
+        lines[mode] = host_device_timeline(lambda: mlp.experts(x, idx, w), DEVICE, wait_labels=(moe.HOST_READ_LABEL,))
 fig, ax = plt.subplots(figsize=(10, 3.6 if DEVICE == "cpu" else 5))
-moe.plot_timeline(lines, ax=ax, title=f"layer 0 experts forward, {TOKENS} tokens, {DEVICE}: red = host waits")
-plt.tight_layout(); plt.show()
+plots.plot_host_device_timeline(lines, ax=ax, title=f"layer 0 experts forward, {TOKENS} tokens, {PROFILE.name}: "
+                                                     f"red = the host waits for the device")
+fig.tight_layout()
+display(fig); plt.close(fig)
 '''),
 ("md", r'''
 ## The fix, step 1: group once
@@ -153,6 +196,7 @@ print("tokens per expert:                      ", counts.tolist())
 print("end offsets (searchsorted, = cumsum):   ", ends.tolist())
 '''),
 ("code", r'''
+# This notebook's own picture of the worked example above (not a lab chart: it draws these exact tensors)
 colors = plt.cm.tab10.colors
 fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4), gridspec_kw={"width_ratios": [1, 2.2]})
 for t in range(idx_ex.shape[0]):
@@ -174,7 +218,8 @@ for e, end in enumerate(ends_list):
 b.set_xlim(-0.2, len(perm) + 0.2); b.set_ylim(0, 1.42); b.set_yticks([])
 b.set_xlabel("sorted rows: each expert's tokens are one contiguous slice (expert 2: empty)")
 b.set_title("after one sort: tokens grouped by expert", fontsize=9)
-plt.tight_layout(); plt.show()
+fig.tight_layout()
+display(fig); plt.close(fig)
 '''),
 ("md", r'''
 **`grouped`** brings the offsets to the host *once per layer* (`ends.tolist()`: one sync, all boundaries at once),
@@ -253,10 +298,9 @@ routing at all) as the zero-overhead limit. On a CPU the numbers say little abou
 drain); the sync counts are the same.
 '''),
 ("code", r'''
-from fastsft_lab.bench import run_variants, make_result, format_table, plot_result
-import os, tempfile
+from fastsft_lab.lab.harness import run_variants, make_result, format_table
 
-variants = moe.routing_variants("gpt_oss")
+variants = routing_variants("gpt_oss")
 live = {}
 for mode in ("forward", "train"):
     rows = run_variants(model, batches, variants, steps=STEPS - 1, warmup=1, mode=mode, progress=False)
@@ -265,32 +309,30 @@ for mode in ("forward", "train"):
     print(f"--- {mode} ({TOKENS} tokens per step)\n" + format_table(live[mode]) + "\n")
 '''),
 ("code", r'''
-from IPython.display import Image, display
-
-tmp = tempfile.mkdtemp()
 for mode, res in live.items():
-    path = plot_result(res, os.path.join(tmp, f"{mode}.png"), phases=("forward",) if mode == "forward" else ("forward", "step"))
-    display(Image(path))
-micro = moe.experts_microbenchmark(model, tokens=MICRO_TOKENS, reps=MICRO_REPS)
+    fig = plots.plot_result(res, phases=("forward",) if mode == "forward" else ("forward", "step"),
+                            title=f"measured here: {PRESET} x{info.num_layers} layers, {mode} step, {TOKENS} tokens, "
+                                  f"{PROFILE.name}")
+    display(fig); plt.close(fig)
+micro = experts_microbenchmark(model, tokens=MICRO_TOKENS, reps=MICRO_REPS)
 micro_res = make_result("moe-experts-layer", {"model": PRESET, "tokens_per_step": MICRO_TOKENS}, micro, DEVICE)
 print(format_table(micro_res))
-display(Image(plot_result(micro_res, os.path.join(tmp, "micro.png"), phases=("forward", "step"),
-                          title=f"one MoE layer's experts, {MICRO_TOKENS} tokens, {DEVICE} (step = forward + backward)")))
+fig = plots.plot_result(micro_res, phases=("forward", "step"), limit="expert matmuls alone",
+                        title=f"measured here: one MoE layer's experts, {MICRO_TOKENS} tokens, {PROFILE.name} "
+                              f"(step = forward + backward)")
+display(fig); plt.close(fig)
 '''),
 ("md", r'''
-### On the H200
-`python -m fastsft_lab bench --only moe` on a GPU writes one JSON and one chart per configuration into its output
-folder; the committed ones live in `benchmarks/results/`. This cell shows those that exist (it never invents numbers).
+### On the H200 (committed results)
+`python -m fastsft_lab bench --only moe` on a GPU writes one JSON and one chart per configuration; the committed
+ones are read here through `fastsft_lab.lab.results` (a clone's `benchmarks/results/`, or the copy packaged with
+the library): every configuration of the newest run as a table, then the 8192-token ones as charts.
 '''),
 ("code", r'''
-import glob, json
-
-found = sorted({p for d in ("benchmarks/results", "../benchmarks/results") for p in glob.glob(f"{d}/moe_*.json")})
-gpu_results = [json.load(open(p)) for p in found]
-gpu_results = [r for r in gpu_results if r.get("env", {}).get("device") == "cuda"]
-if not gpu_results:
-    print("No GPU results for this scenario in benchmarks/results/ yet. Run on a GPU:\n"
-          "  python -m fastsft_lab bench --only moe --out benchmarks/results")
+gpu_results = results.load_results(["moe-routing", "moe-experts-layer"], newest_run=True)
+gpu_results.sort(key=lambda r: (r["scenario"], r["config"].get("model"), r["config"].get("tokens_per_step"),
+                                r["config"].get("mode", "")))
+print(f"{len(gpu_results)} configurations from {results.describe_run(gpu_results[0])}")
 for r in gpu_results:
     c = r["config"]
     rows = [v for v in r["variants"] if "step_ms" in v]
@@ -303,9 +345,15 @@ for r in gpu_results:
                   f"syncs {v.get('host_syncs_per_step', '-')}")
         else:
             print(f"   {v['name']:26s} {v.get('error', '-')}")
-for r in gpu_results[:6]:
-    display(Image(plot_result(r, os.path.join(tmp, f"gpu_{id(r)}.png"),
-                              phases=("forward",) if r["config"].get("mode") == "forward" else ("forward", "step"))))
+for r in gpu_results:
+    c = r["config"]
+    if c.get("tokens_per_step") != 8192:
+        continue
+    fig = plots.plot_result(r, phases=("forward",) if c.get("mode") == "forward" else ("forward", "step"),
+                            limit="expert matmuls alone" if r["scenario"] == "moe-experts-layer" else None,
+                            title=f"H200: {r['scenario']} | {c.get('model')} | {c.get('tokens_per_step')} tokens | "
+                                  f"{c.get('mode')} | {results.describe_run(r)}")
+    display(fig); plt.close(fig)
 '''),
 ("md", r'''
 ## What it costs
@@ -321,19 +369,30 @@ for r in gpu_results[:6]:
   `nn.Parameter` to parametrize; LoRA on attention works.
 '''),
 ("code", r'''
-m = build_model("tiny-gpt-oss", device=DEVICE, dtype=DTYPE, lora=LoraSettings(rank=4, target_modules=["q_proj", "v_proj"]))
+import math
+from fastsft_lab.profiling import time_ms
+
+# one layer at this notebook's width (tiny in smoke mode, GPT-OSS-20B's on a GPU)
+m = build_model(PRESET, device=DEVICE, dtype=DTYPE, num_layers=None if SMOKE else 1,
+                lora=LoraSettings(rank=4, target_modules=["q_proj", "v_proj"]))
 moe.quantize_experts_nf4(m)
 sizes = moe.nf4_expert_bytes(m)
 print(f"expert weights: {sizes['nf4_bytes']/1e3:.0f} kB in NF4 vs {sizes['bf16_bytes']/1e3:.0f} kB in bf16 "
       f"({sizes['nf4_bytes']/sizes['bf16_bytes']:.0%})")
 experts0 = moe.experts_modules(m)[0]
 dev = torch.device(DEVICE)
-t_all = moe.time_call_ms(lambda: moe.dequantize_expert_weight(experts0, "gate_up_proj"), dev, 2, 10)["median"]
-t_one = moe.time_call_ms(lambda: moe.dequantize_expert_weight(experts0, "gate_up_proj", 0), dev, 2, 10)["median"]
-print(f"dequantize gate_up_proj of one layer: all {experts0.num_experts} experts in one call {t_all:.3f} ms, "
-      f"one expert {t_one:.3f} ms")
-print(f"break-even: dequantizing hit experts one by one is cheaper while fewer than {t_all / t_one:.1f} of "
-      f"{experts0.num_experts} experts are hit (a training batch hits them all; a short decode step does not)")
+t_all = time_ms(lambda: moe.dequantize_expert_weight(experts0, "gate_up_proj"), dev, 2, 10)["median"]
+t_one = time_ms(lambda: moe.dequantize_expert_weight(experts0, "gate_up_proj", 0), dev, 2, 10)["median"]
+E = experts0.num_experts
+print(f"dequantize gate_up_proj of one layer: all {E} experts in one call {t_all:.3f} ms, one expert {t_one:.3f} ms")
+# k hit experts one by one cost k * t_one: cheaper than the whole layer while k * t_one < t_all
+k_max = min(E, math.ceil(t_all / t_one) - 1)
+if k_max >= 1:
+    print(f"break-even: dequantizing the hit experts one by one is cheaper while at most {k_max} of {E} experts "
+          f"{'is' if k_max == 1 else 'are'} hit (a training batch hits them all; a short decode step may not)")
+else:
+    print(f"break-even: none here: one expert alone takes as long as all {E} in one call (a fixed cost per call "
+          f"dominates at this size), so dequantizing the whole layer at once is never slower")
 '''),
 ("md", r'''
 ## Summary
@@ -348,11 +407,14 @@ print(f"break-even: dequantizing hit experts one by one is cheaper while fewer t
 - transformers' experts registry and its `grouped_mm` path: `transformers/integrations/moe.py`
 - PyTorch `torch.nn.functional.grouped_mm` (jagged grouped GEMM for MoE)
 - MegaBlocks (Gale et al., 2022): block-sparse MoE without token dropping
-- Notebook 00 (the naive path, profiled) and the library: `fastsft_lab/moe.py`, tests in `tests/test_moe.py`
+- Notebook 00 (the naive path, profiled) and the library: `fastsft_lab/moe/` (its docstring maps the files),
+  tests in `tests/test_moe.py`
 '''),
 ("code", r'''
-from fastsft_lab.profiling import peak_memory
-peak = peak_memory()
-print(f"notebook ran in {time.time() - T0:.0f} s on {DEVICE}" + (f", peak GPU memory {peak / 2**30:.1f} GiB" if peak else ""))
+print(f"notebook ran in {time.time() - T0:.0f} s on: {describe()}")
+if DEVICE == "cuda":
+    print(f"peak GPU memory over the notebook: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+else:
+    print("peak memory: not tracked on a CPU (it is a CUDA allocator statistic)")
 '''),
 ]
