@@ -599,26 +599,53 @@ def test_offloaded_forward_grad_mode(forward_grad):
     torch.testing.assert_close(x.grad, ref.grad, rtol=0, atol=0)
 
 
-def test_router_aux_loss_through_offloaded_layers_is_a_clear_error():
-    # Router logits captured during the offloaded forward hang on its discarded graph: back-propagating an
-    # auxiliary loss through them raises and says what to do; forward_grad=False keeps the old silent behaviour.
+@pytest.mark.parametrize("buffers,prefetch", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("forward_grad", [True, False], ids=["grad-fwd", "nograd-fwd"])
+def test_router_aux_loss_through_offloaded_layers(buffers, prefetch, forward_grad):
+    # The router logits the layers record for the load-balancing loss (output_router_logits=True, which TRL turns on
+    # for MoE models) are handed out of the offloaded forward as side outputs whose gradient the layer's recompute
+    # back-propagates: loss, aux loss and every gradient equal standard checkpointing, bit for bit.
     model = _model("tiny-gpt-oss", True)
-    inputs = _batch(tokens=128, row=64).model_inputs()
+    inputs = {**_batch(tokens=128, row=64).model_inputs(), "output_router_logits": True}
+    ref = _standard(model, inputs)
+    O.enable_offloaded_checkpointing(model, buffers, prefetch, forward_grad=forward_grad)
     try:
-        O.enable_offloaded_checkpointing(model)
-        out = model(**inputs, output_router_logits=True)
-        with pytest.raises(RuntimeError, match="output_router_logits"):
-            out.loss.backward()
-        del out
-        gc.collect()
-        O.disable_offloaded_checkpointing(model, release_pool=True)
-        O.enable_offloaded_checkpointing(model, forward_grad=False)
-        out = model(**inputs, output_router_logits=True)
-        assert not out.aux_loss.requires_grad
-        out.loss.backward()
+        aux = model(**inputs).aux_loss
+        assert aux.requires_grad
+        got = _step(model, inputs)
     finally:
         O.disable_offloaded_checkpointing(model, release_pool=True)
+    _assert_same(ref, got)
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).aux_loss, aux.detach())
+
+
+def test_aux_loss_alone_reaches_the_attention_adapters_through_offloaded_layers():
+    # Only the aux loss (the language-model loss detached): its gradient exists only through the side outputs.
+    model = _model("tiny-gpt-oss", True)
+    inputs = {**_batch(tokens=128, row=64).model_inputs(), "output_router_logits": True}
+
+    def aux_grads():
         model.zero_grad(set_to_none=True)
+        model(**inputs).aux_loss.backward()
+        g = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return g
+
+    switch = CheckpointingSwitch(model)
+    switch.enable()
+    try:
+        ref = aux_grads()
+    finally:
+        switch.disable()
+    O.enable_offloaded_checkpointing(model, 2, True)
+    try:
+        got = aux_grads()
+    finally:
+        O.disable_offloaded_checkpointing(model, release_pool=True)
+    assert ref and got.keys() == ref.keys() and any(g.abs().sum() > 0 for g in ref.values())
+    for n in ref:
+        assert torch.equal(got[n], ref[n]), n
 
 
 def test_compare_grads_names_the_worst_tensor():

@@ -8,6 +8,7 @@ is not a result.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -44,6 +45,8 @@ class Variant:
         enable / disable: put the live model into / out of this variant (called around each of its steps).
         prepare: untimed work per step (e.g. the oracle's prebuilt metadata); its result is passed to ``inputs``.
         inputs: timed, inside the forward phase: builds the model's keyword arguments from the batch.
+        context: ``(model) -> context manager`` entered around each step's forward and backward (e.g. TRL's
+            activation offloading); None: none.
         note: what this variant is faithful to and what it costs (goes into the JSON).
     """
 
@@ -54,6 +57,7 @@ class Variant:
     prepare: Callable[[PackedBatch], Any] | None = None
     inputs: Callable[[PackedBatch, Any], dict] = default_inputs
     note: str = ""
+    context: Callable[[nn.Module], Any] | None = None
 
 
 def _forward_loss(model: nn.Module, kwargs: dict) -> torch.Tensor:
@@ -67,17 +71,19 @@ def _forward_loss(model: nn.Module, kwargs: dict) -> torch.Tensor:
 def run_step(model: nn.Module, batch: PackedBatch, variant: Variant, *, mode: str, optimizer, timer: PhaseTimer,
              state: Any = None) -> torch.Tensor:
     """One step of ``mode`` ('train': forward+backward+optimizer; 'forward': no-grad forward)."""
+    ctx = variant.context(model) if variant.context is not None else contextlib.nullcontext()
     if mode == "train":
         with timer.phase("step"):
-            with timer.phase("forward"):
-                loss = _forward_loss(model, variant.inputs(batch, state))
-            with timer.phase("backward"):
-                loss.backward()
+            with ctx:
+                with timer.phase("forward"):
+                    loss = _forward_loss(model, variant.inputs(batch, state))
+                with timer.phase("backward"):
+                    loss.backward()
             with timer.phase("optimizer"):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
     elif mode == "forward":
-        with torch.no_grad(), timer.phase("step"):
+        with torch.no_grad(), timer.phase("step"), ctx:
             with timer.phase("forward"):
                 loss = _forward_loss(model, variant.inputs(batch, state))
     else:
@@ -202,7 +208,8 @@ def count_step_syncs(model: nn.Module, batch: PackedBatch, variant: Variant, *, 
     try:
         state = variant.prepare(batch) if variant.prepare else None
         counter = SyncCounter.for_decoder_layers(model, device=device)
-        with counter:
+        ctx = variant.context(model) if variant.context is not None else contextlib.nullcontext()
+        with counter, ctx:
             if mode == "train":
                 _forward_loss(model, variant.inputs(batch, state)).backward()
             else:

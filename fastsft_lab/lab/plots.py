@@ -86,6 +86,51 @@ def plot_result(result: dict, phases: Sequence[str] = ("forward", "step"), title
     return fig
 
 
+WATERFALL = ("transformers default", "packed (cached varlen)", "+ sync_free experts", "all fast")
+
+
+def plot_waterfall(result: dict):
+    """From the stock path to all fast, one optimization at a time: each bar floats from the speed before it to the
+    speed after it (1.00x = transformers' default), so its height is what that optimization adds. The other
+    variants (all naive, TRL, the ablation) stand beside it as plain bars. Returns None when nothing ran."""
+    plt = _plt()
+    rows = {r["name"]: r for r in result["variants"] if "step_ms" in r}
+    if "transformers default" not in rows:
+        return None
+    base = rows["transformers default"]["step_ms"]["median"]
+    steps = [n for n in WATERFALL if n in rows]
+    others = [n for n in rows if n not in steps]
+    fig, ax = plt.subplots(figsize=(min(13.0, 1.1 * (len(steps) + len(others)) + 3), 4.8))
+    prev = None
+    for i, name in enumerate(steps):
+        speed = base / rows[name]["step_ms"]["median"]
+        low = 0.0 if prev is None else min(prev, speed)
+        height = speed if prev is None else abs(speed - prev)
+        color = _GREY if prev is None else (_BLUE if speed >= prev else _RED)
+        ax.bar(i, height, bottom=low, color=color)
+        text = f"{speed:.2f}x" if prev is None else f"{speed:.2f}x ({(speed / prev - 1) * 100:+.0f}%)"
+        ax.annotate(text, (i, max(speed, prev or 0)), xytext=(0, 2), textcoords="offset points", ha="center",
+                    va="bottom", fontsize=7)
+        prev = speed
+    for j, name in enumerate(others):
+        speed = base / rows[name]["step_ms"]["median"]
+        x = len(steps) + 0.5 + j
+        ax.bar(x, speed, color=_ORANGE if "naive" in name else "#A0A0A0")
+        ax.annotate(f"{speed:.2f}x", (x, speed), xytext=(0, 2), textcoords="offset points", ha="center",
+                    va="bottom", fontsize=7)
+    ticks = list(range(len(steps))) + [len(steps) + 0.5 + j for j in range(len(others))]
+    ax.set_xticks(ticks)
+    ax.set_xticklabels(steps + others, rotation=22, ha="right", fontsize=8)
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_ylabel(f"step speed vs transformers' default ({HIGHER})", fontsize=8)
+    ax.margins(y=0.15)
+    cfg = result.get("config", {})
+    ax.set_title(f"all three together: {cfg.get('model')} x{cfg.get('num_layers')} | {cfg.get('tokens_per_step')} "
+                 f"tokens/step | kernels {cfg.get('kernels')} | {_where(result)}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 def plot_regime(summary: list[dict], x: str = "tokens_per_step"):
     """The packed-metadata regime map: speed of the cached path over the naive one (forward, step) against ``x``.
 
@@ -316,5 +361,5 @@ def plot_host_device_timeline(timelines: dict[str, dict], ax=None, title: str | 
     return ax
 
 
-__all__ = ["save_figure", "plot_result", "plot_regime", "plot_offload_result", "plot_across_tokens", "plot_sweep",
+__all__ = ["save_figure", "plot_result", "plot_waterfall", "plot_regime", "plot_offload_result", "plot_across_tokens", "plot_sweep",
            "plot_timeline", "plot_timelines", "plot_host_device_timeline"]

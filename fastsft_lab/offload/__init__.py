@@ -22,9 +22,10 @@ stream-order model that checks the log), ``policy.py`` (which staging slot a lay
 ``manager.py`` (save in forward, reload and prefetch in backward), ``checkpoint.py`` (the layer's checkpoint
 function: recompute with RNG and autocast replayed), ``switch.py`` (on a live model).
 
-Not supported (clear errors): backward twice through the same graph (``retain_graph=True``). Side outputs captured
-by hooks during a layer's forward (e.g. router logits for an auxiliary loss) cannot get a gradient: back-propagating
-through one raises a clear error.
+Side outputs that transformers records inside a layer (router logits for MoE's load-balancing loss, which TRL
+turns on for MoE models; hidden states) leave the offloaded forward as outputs of their own, and their gradient
+goes through the layer's recompute (``checkpoint.py``). Not supported (clear errors): backward twice through the
+same graph (``retain_graph=True``), and side outputs captured by hooks of one's own inside a layer.
 """
 
 from .checkpoint import offloaded_checkpoint

@@ -57,6 +57,10 @@ class _Call:
     entry: Entry | None
     trace_layer: int
     params: list | None = None          # the layer's trainable parameters (None: a bare function)
+    side_keys: list = field(default_factory=list)      # what the layer recorded for the caller (router_logits ...)
+    side_grads: list = field(default_factory=list)     # their gradients, set by _SideOutput.backward
+    side_pending: list | None = None                   # forward -> offloaded_checkpoint: the recorded values
+    tuple_out: bool = False
     cpu_rng: torch.Tensor | None = None
     dev_rng: torch.Tensor | None = None
     autocast: tuple = field(default_factory=tuple)
@@ -69,15 +73,68 @@ def _discard_saved(t: torch.Tensor) -> None:
 def _never_unpacked(_handle) -> torch.Tensor:
     raise RuntimeError(
         "offloaded checkpointing: something computed inside an offloaded layer's forward is being back-propagated "
-        "outside of it -- typically router logits captured for an auxiliary loss (output_router_logits=True). The "
-        "offloaded forward keeps no activations, so such side outputs cannot get a gradient: turn the auxiliary "
-        "loss off or detach it, use standard checkpointing, or enable with forward_grad=False (the forward then "
-        "runs under no_grad and side outputs silently carry no gradient, as with reentrant checkpointing).")
+        "outside of it, and it was not recorded through transformers' output capturing (which offload hands out "
+        "with a gradient: router logits, hidden states) -- e.g. a tensor captured by a hook of your own. The "
+        "offloaded forward keeps no activations: detach it, record it through the model's outputs, or use "
+        "standard checkpointing.")
 
 
 def _saved_hooks_allowed() -> bool:
     probe = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
     return probe() if probe is not None else True
+
+
+def _output_collector():
+    """transformers' context variable behind ``output_router_logits`` / ``output_hidden_states`` (its output
+    capturing hooks append what a layer records to it), or None where this transformers has none."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return None
+    return _active_collector
+
+
+@contextlib.contextmanager
+def _private_collector(keys: list | None = None):
+    """Inside: what transformers' output-capturing hooks record goes to a private collector (yielded), with the
+    keys of the active one (or ``keys``); the active one is put back on exit."""
+    var = _output_collector()
+    outer = var.get() if var is not None else None
+    if keys is None and not outer:
+        yield None
+        return
+    inner = {k: ([] if isinstance(v, list) else v) for k, v in (outer or {}).items()}
+    for k in keys or ():
+        inner.setdefault(k, [])
+    var.set(inner)
+    try:
+        yield inner
+    finally:
+        var.set(outer)
+
+
+def _recorded(inner: dict | None) -> list[tuple[str, torch.Tensor]]:
+    if not inner:
+        return []
+    return [(k, t) for k, v in inner.items() if isinstance(v, list) for t in v if isinstance(t, torch.Tensor)]
+
+
+class _SideOutput(torch.autograd.Function):
+    """A layer's recorded side output (router logits for the load-balancing loss, ...) handed to the caller after
+    the offloaded forward. Its input ``token`` is an output of the layer's node, so autograd runs this backward
+    first: it keeps the side output's gradient for the layer's recompute, which back-propagates it through the
+    recomputed side output together with the layer's own output gradient."""
+
+    @staticmethod
+    def forward(ctx, token: torch.Tensor, value: torch.Tensor, call, index: int) -> torch.Tensor:
+        ctx.call, ctx.index = call, index
+        ctx.token_device = token.device
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.call.side_grads[ctx.index] = grad
+        return torch.zeros(0, device=ctx.token_device), None, None, None
 
 
 def _recompute_and_backward(call: _Call, leaves: list, grad_outputs: tuple, params: list[torch.Tensor] | None,
@@ -112,11 +169,18 @@ def _recompute_and_backward(call: _Call, leaves: list, grad_outputs: tuple, para
             if rng_devices:
                 torch.cuda.set_rng_state(call.dev_rng, manager.device)
         dev_ctx = torch.autocast(dev_type, **dev_autocast) if dev_autocast else contextlib.nullcontext()
-        with torch.enable_grad(), dev_ctx, torch.autocast("cpu", **cpu_autocast):
+        side_ctx = _private_collector(call.side_keys) if call.side_keys else contextlib.nullcontext()
+        with torch.enable_grad(), dev_ctx, torch.autocast("cpu", **cpu_autocast), side_ctx as inner:
             out = call.fn(*call.fn_args, *args, **kwargs)
     outs = out if isinstance(out, tuple) else (out,)
-    pairs = [(o, g) for o, g in zip(outs, grad_outputs)
+    pairs = [(o, g) for o, g in zip(outs, grad_outputs[:len(outs)])
              if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+    if call.side_keys:
+        # the recorded side outputs, recomputed with their graph, and the gradients the caller's loss gave them
+        for (_, t), g in zip(_recorded(inner), call.side_grads):
+            if g is not None and t.requires_grad:
+                pairs.append((t, g))
+        call.side_grads = [None] * len(call.side_grads)
     if params is None:
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
@@ -173,16 +237,28 @@ class _OffloadedLayer(torch.autograd.Function):
             # can depend on it (SDPA's backend and variant: with or without the log-sum-exp) are the same ones, so
             # the offloaded forward computes the same bits. Nothing is kept: every tensor autograd would save is
             # dropped by the pack hook, and the outputs are detached from this throw-away graph.
-            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_discard_saved, _never_unpacked):
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_discard_saved, _never_unpacked), \
+                    _private_collector() as inner:
                 out = call.fn(*call.fn_args, *args, **kwargs)
             out = pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), out)
         else:
-            out = call.fn(*call.fn_args, *args, **kwargs)   # grad mode is off inside Function.forward
+            with _private_collector() as inner:
+                out = call.fn(*call.fn_args, *args, **kwargs)   # grad mode is off inside Function.forward
+        side = [(k, t.detach()) for k, t in _recorded(inner)]
         if trace:
             trace.add("fwd", "compute", call.trace_layer, call.entry.seq if call.entry else -1, t0, trace.mark())
         del args, kwargs
         ctx.call = call
-        return out
+        call.tuple_out = isinstance(out, tuple)
+        if not side:
+            return out
+        # the side outputs go to the caller's collector through _SideOutput (see offloaded_checkpoint); the token
+        # output makes autograd run their backward before this layer's
+        call.side_keys = [k for k, _ in side]
+        call.side_grads = [None] * len(side)
+        call.side_pending = side
+        token = dummy.new_zeros(0)
+        return (*out, token) if call.tuple_out else (out, token)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
@@ -266,7 +342,15 @@ def offloaded_checkpoint(function: Callable, *args, manager: OffloadManager, lay
     dummy = torch.empty((0,), requires_grad=True)
     grad_tensors = [leaves[i] for i in grad_leaves]
     del args
-    return _OffloadedLayer.apply(call, dummy, *grad_tensors, *(params or ()))
+    result = _OffloadedLayer.apply(call, dummy, *grad_tensors, *(params or ()))
+    if not call.side_pending:
+        return result
+    *outs, token = result
+    collector = _output_collector().get()
+    for i, (key, value) in enumerate(call.side_pending):
+        collector[key].append(_SideOutput.apply(token, value, call, i))
+    call.side_pending = None
+    return tuple(outs) if call.tuple_out else outs[0]
 
 
 class LayerCheckpointFunc:

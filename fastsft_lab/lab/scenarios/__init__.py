@@ -1,12 +1,13 @@
 """The benchmark scenarios, one file each (``python -m fastsft_lab bench --only NAME``)."""
 
+from .combined import CombinedScenario
 from .moe import MoeScenario
 from .offload import OffloadScenario
 from .packed import PackedScenario
 
-SCENARIOS = {s.name: s for s in (PackedScenario(), OffloadScenario(), MoeScenario())}
+SCENARIOS = {s.name: s for s in (PackedScenario(), OffloadScenario(), MoeScenario(), CombinedScenario())}
 
-__all__ = ["SCENARIOS", "PackedScenario", "OffloadScenario", "MoeScenario"]
+__all__ = ["SCENARIOS", "PackedScenario", "OffloadScenario", "MoeScenario", "CombinedScenario"]
 
 
 def run_scenario(name: str, *, device, smoke: bool, out_dir: str, steps: int | None = None,

@@ -1,0 +1,302 @@
+"""Benchmark of the three optimizations together, at full depth, against what a user would otherwise run.
+
+GPU default: Qwen3-14B (all 40 layers, NF4 + LoRA r16 on all projections, one packed row per step) and GPT-OSS-20B
+(all 24 layers, bf16, LoRA r16 on attention, rows of 4096 tokens), 8192 tokens per step from the realistic mix,
+gradient checkpointing. Variants, interleaved step by step on the same batches:
+
+* ``transformers default``: stock attention (Qwen3 sdpa; GPT-OSS eager, which lets packed sequences attend to each
+  other), stock experts (``grouped_mm``), transformers' checkpointing; packed ``position_ids``, no mask.
+* ``transformers, eager experts`` (MoE): the per-expert loop transformers also ships.
+* ``TRL activation offloading``: the default path inside TRL's ``get_act_offloading_ctx_manager`` (what
+  ``SFTConfig(activation_offloading=True)`` runs). TRL's padding-free collator gives the same inputs as the default
+  path here (packed ``position_ids``, no mask): its cost is the same step.
+* ``all naive``: per-layer metadata (varlen), offload with one buffer, the eager-loop experts (MoE).
+* the waterfall ``packed (cached varlen)`` -> ``+ sync_free experts`` (MoE) -> ``all fast`` (+ offload x2 + prefetch);
+* the ablation: ``all fast`` with one optimization back to its naive form at a time.
+
+``kernels=liger`` builds the model again with the fast-kernel floor the published fixes assume -- Liger-Kernel's
+RMSNorm, SwiGLU (Qwen3) and RoPE, and fastsft_lab's fused linear cross-entropy (Liger's reads the token count back
+with ``.item()``) -- and runs the default, all-naive and all-fast variants on it. Liger patches RoPE module-wide, so
+a model's ``none`` configuration runs before its ``liger`` one. Per variant: forward, backward, step, tokens/s,
+MFU (model FLOPs ``6 N T`` + attention over the GPU's dense bf16 peak), host syncs per step, peak memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+from torch import nn
+
+from ...data import benchmark_batches
+from ...env import environment
+from ...loss import enable_fused_loss
+from ...models import LoraSettings, base_model, build_model, get_preset
+from ...moe import set_moe_routing
+from ...offload import disable_offloaded_checkpointing, enable_offloaded_checkpointing
+from ...packing import disable_packed_attention, enable_packed_attention, packed_inputs
+from ..harness import Variant, format_table, make_result, run_variants, write_json
+from ..plots import plot_waterfall, save_figure
+from ..scenario import OptionError, Scenario, option
+
+# Dense bf16 tensor-core peaks (no sparsity), from the vendors' data sheets, by a substring of the GPU's name.
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12,
+             "A10G": 70e12, "T4": 65e12, "RTX 4090": 165e12, "RTX 3090": 71e12}
+
+
+def peak_flops(gpu_name: str | None) -> float | None:
+    for key, value in PEAK_BF16.items():
+        if gpu_name and key in gpu_name:
+            return value
+    return None
+
+
+def step_flops(config, seq_lengths, *, active_experts: int | None = None) -> dict:
+    """Model FLOPs of one training step: ``6 N T`` (N: the matmul parameters a token passes through, LM head
+    included, embeddings not) plus causal attention over each packed segment (sliding windows honoured), forward
+    and backward. The PaLM convention: it counts the weight gradients of frozen weights that QLoRA skips."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    h, layers = c.hidden_size, c.num_hidden_layers
+    heads, kv = c.num_attention_heads, c.num_key_value_heads
+    hd = getattr(c, "head_dim", None) or h // heads
+    attn = h * heads * hd * 2 + h * kv * hd * 2                       # q, o and k, v
+    experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+    if experts:
+        inter = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+        k = active_experts or c.num_experts_per_tok
+        mlp = 3 * h * inter * k + h * experts                           # active experts + router
+    else:
+        mlp = 3 * h * c.intermediate_size
+    n = layers * (attn + mlp) + c.vocab_size * h
+    tokens = sum(sum(row) for row in seq_lengths)
+    types = getattr(c, "layer_types", None) or ["full_attention"] * layers
+    window = getattr(c, "sliding_window", None)
+    pairs = 0
+    for t in types[:layers]:
+        w = window if (t == "sliding_attention" and window) else None
+        for row in seq_lengths:
+            for s in row:
+                pairs += s * (s + 1) // 2 if w is None or w >= s else w * (w + 1) // 2 + (s - w) * w
+    attention = 3 * 4 * heads * hd * pairs
+    return {"matmul_params": n, "tokens": tokens, "flops": 6 * n * tokens + attention, "attention_flops": attention}
+
+
+# --- the variants ---------------------------------------------------------------------------------------------------
+def _configure(model: nn.Module, *, packed: str | None = None, cache: bool = True, moe: str | None = None,
+               offload: int = 0) -> None:
+    if packed:
+        enable_packed_attention(model, packed, cache=cache, check_available=False)
+    else:
+        disable_packed_attention(model)
+    if moe is not None:
+        set_moe_routing(model, moe if moe != "stock" else None)
+    if offload:
+        enable_offloaded_checkpointing(model, offload, offload == 2)
+    else:
+        disable_offloaded_checkpointing(model)
+
+
+def _reset(model: nn.Module, is_moe: bool) -> None:
+    _configure(model, moe="stock" if is_moe else None)
+
+
+def combined_variants(model: nn.Module, *, is_moe: bool, packed: str = "varlen", which: str = "all",
+                      trl: bool = True) -> list[Variant]:
+    """The variants of the module docstring (``which="core"``: default, all naive, all fast only; ``trl``: TRL's
+    activation offloading, which needs an accelerator)."""
+    stock_inputs = lambda b, s: b.model_inputs()      # noqa: E731
+    meta_inputs = lambda b, s: packed_inputs(b)        # noqa: E731
+    moe_fast = "sync_free" if is_moe else None
+    moe_naive = "naive" if is_moe else None
+    stock = "stock" if is_moe else None
+
+    def v(name, note, inputs, context=None, **cfg):
+        cfg.setdefault("moe", stock)
+        toggles = {k: val for k, val in cfg.items()}
+        return Variant(name, toggles, enable=lambda m: _configure(m, **cfg), disable=lambda m: _reset(m, is_moe),
+                       inputs=inputs, note=note, context=context)
+
+    default = v("transformers default", "stock transformers 5.17: its attention (Qwen3 sdpa; GPT-OSS eager, where "
+                "packed sequences attend to each other), grouped_mm experts, its gradient checkpointing; packed "
+                "position_ids, no mask", stock_inputs)
+    naive = v("all naive", "metadata rebuilt in every layer (varlen, transformers' flash-path derivation), offload "
+              "with one staging buffer, the eager per-expert loop", stock_inputs, packed=packed, cache=False,
+              moe=moe_naive, offload=1)
+    fast = v("all fast", "PackedMetadata once per batch (cached varlen), offload x2 + prefetch, sync-free grouped "
+             "experts: 0 host syncs", meta_inputs, packed=packed, moe=moe_fast, offload=2)
+    if which == "core":
+        return [default, naive, fast]
+    out = [default]
+    if is_moe:
+        out.append(v("transformers, eager experts", "stock attention and checkpointing, transformers' eager "
+                     "per-expert loop (experts_implementation='eager')", stock_inputs, moe="eager"))
+
+    def trl_ctx(m):
+        from trl.models.activation_offloading import get_act_offloading_ctx_manager
+
+        return get_act_offloading_ctx_manager(m, warn_if_no_head=False)
+
+    if trl:
+        out.append(v("TRL activation offloading", "the default path inside TRL 1.16's get_act_offloading_ctx_manager "
+                     "(SFTConfig(activation_offloading=True)): saved activations to pinned CPU memory on a side "
+                     "stream", stock_inputs, context=trl_ctx))
+    out.append(naive)
+    out.append(v("packed (cached varlen)", "waterfall step 1: packed attention, metadata once per batch; stock "
+                 "experts, standard checkpointing", meta_inputs, packed=packed))
+    if is_moe:
+        out.append(v("+ sync_free experts", "waterfall step 2: + the sync-free grouped experts (all fast without "
+                     "offload)", meta_inputs, packed=packed, moe=moe_fast))
+    out.append(fast)
+    out.append(v("all fast, naive metadata", "ablation: all fast with the metadata rebuilt in every layer",
+                 stock_inputs, packed=packed, cache=False, moe=moe_fast, offload=2))
+    out.append(v("all fast, one buffer", "ablation: all fast with offload x1 (no overlapped reloads)", meta_inputs,
+                 packed=packed, moe=moe_fast, offload=1))
+    if is_moe:
+        out.append(v("all fast, eager-loop experts", "ablation: all fast with the per-expert loop", meta_inputs,
+                     packed=packed, moe=moe_naive, offload=2))
+    return out
+
+
+def apply_liger(model: nn.Module, family: str) -> dict:
+    """Liger-Kernel's RMSNorm, SwiGLU (Qwen3) and RoPE on this model, and fastsft_lab's fused loss (irreversible for
+    Liger's module patches: the scenario builds a fresh model for it)."""
+    import liger_kernel
+    from liger_kernel.transformers import monkey_patch as mp
+
+    base = base_model(model)
+    if family == "qwen3":
+        mp.apply_liger_kernel_to_qwen3(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                       fused_linear_cross_entropy=False, model=base)
+    elif family == "gpt_oss":
+        mp.apply_liger_kernel_to_gpt_oss(rope=True, rms_norm=True, swiglu=False, cross_entropy=False,
+                                         fused_linear_cross_entropy=False, model=base)
+    else:
+        raise ValueError(f"no Liger recipe for family {family!r}")
+    enable_fused_loss(model)
+    return {"liger_kernel": getattr(liger_kernel, "__version__", "unknown"),
+            "kernels": "liger rms_norm + rope" + (" + swiglu" if family == "qwen3" else "") + " + fastsft fused loss"}
+
+
+# --- the scenario ---------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class CombinedOptions:
+    models: list = option(["qwen3-14b", "gpt-oss-20b"], kind="strs", help="model presets")
+    num_layers: int | None = option(None, kind="int?", help="decoder layers kept at real width (none: all)")
+    tokens: list = option([8192], kind="ints", help="tokens per step")
+    moe_row_tokens: int = option(4096, kind="int", help="tokens per packed row for MoE models (dense: one row)")
+    kernels: list = option(["none", "liger"], kind="strs", help="none and/or liger (the fast-kernel floor)")
+    variants: str = option("all", kind="str", help="all, or core (default, all naive, all fast)")
+    backend: str = option("varlen", kind="str", help="packed-attention backend of the packed variants")
+    liger_variants: str = option("core", kind="str", help="variant set on the liger build (all or core)")
+    mix: str = option("realistic", kind="str", help="length mix")
+    lora_rank: int = option(16, kind="int", help="LoRA rank")
+    steps: int = option(4, kind="int", help="measured steps per variant")
+    warmup: int = option(1, kind="int", help="warm-up steps per variant")
+
+    @classmethod
+    def defaults(cls, device: torch.device, smoke: bool) -> "CombinedOptions":
+        if smoke:
+            cpu = device.type == "cpu"
+            return cls(models=["tiny-qwen3", "tiny-gpt-oss"], tokens=[512], moe_row_tokens=256,
+                       kernels=["none"] if cpu else ["none", "liger"], lora_rank=8, mix="short",
+                       backend="sdpa" if cpu else "varlen", steps=4, warmup=1)
+        return cls()
+
+
+class CombinedScenario(Scenario):
+    name = "combined"
+    title = "the three optimizations together, at full depth (stock transformers, TRL, ablation, fast kernels)"
+    Options = CombinedOptions
+
+    def validate(self, opts: CombinedOptions, device: torch.device) -> None:
+        super().validate(opts, device)
+        for m in opts.models:
+            get_preset(m)
+        for k in opts.kernels:
+            if k not in ("none", "liger"):
+                raise OptionError(f"kernels must be none and/or liger, got {k!r}")
+            if k == "liger" and device.type != "cuda":
+                raise OptionError("kernels=liger needs a CUDA GPU (Liger-Kernel is Triton)")
+        from ...packing import BACKENDS
+
+        if opts.backend not in BACKENDS:
+            raise OptionError(f"unknown packed-attention backend {opts.backend!r}; known: {', '.join(BACKENDS)}")
+        for name in (opts.variants, opts.liger_variants):
+            if name not in ("all", "core"):
+                raise OptionError(f"variants must be all or core, got {name!r}")
+
+    def run(self, opts: CombinedOptions, *, device: torch.device, out_dir: str, progress: bool = True) -> list[dict]:
+        results = []
+        for model_name in opts.models:
+            preset = get_preset(model_name)
+            for kernels in opts.kernels:
+                dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+                quant = "nf4" if preset.family == "qwen3" and preset.real else None
+                targets = None if preset.family == "qwen3" else ["q_proj", "k_proj", "v_proj", "o_proj"]
+                model = build_model(model_name, device=device, dtype=dtype, quant=quant, num_layers=opts.num_layers,
+                                    lora=LoraSettings(rank=opts.lora_rank, target_modules=targets),
+                                    gradient_checkpointing=True, attn_implementation=None)
+                for p in model.parameters():   # LoRA B starts at zero; give the adapters a real gradient path
+                    if p.requires_grad and p.dim() == 2 and not p.any():
+                        nn.init.normal_(p, std=0.01)
+                extra = apply_liger(model, preset.family) if kernels == "liger" else {"kernels": "none"}
+                for tokens in opts.tokens:
+                    results.append(self._config(model, preset, opts, tokens, kernels, extra, device, out_dir,
+                                                progress))
+                del model
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        return results
+
+    def _config(self, model, preset, opts, tokens, kernels, extra, device, out_dir, progress) -> dict:
+        is_moe = preset.is_moe
+        row = min(opts.moe_row_tokens, tokens) if is_moe else tokens
+        batches = [b.to(device) for b in benchmark_batches(tokens_per_step=tokens, row_tokens=row,
+                                                           steps=max(2, opts.steps), vocab_size=model.config.vocab_size,
+                                                           mix=opts.mix)]
+        which = opts.liger_variants if kernels == "liger" else opts.variants
+        variants = combined_variants(model, is_moe=is_moe, which=which, packed=opts.backend,
+                                     trl=device.type == "cuda")
+        label = f"{preset.name} {tokens} tok, kernels={kernels}"
+        rows = run_variants(model, batches, variants, steps=opts.steps, warmup=opts.warmup, progress=progress,
+                            label=label)
+        env = environment(device)
+        peak = peak_flops(env.get("gpu_name"))
+        flops = [step_flops(base_model(model).config, b.seq_lengths)["flops"] for b in batches]
+        mean_flops = sum(flops) / len(flops)
+        for r in rows:
+            if "step_ms" in r:
+                s = r["step_ms"]["median"] / 1e3
+                r["tokens_per_s"] = round(tokens / s, 1)
+                r["mfu"] = round(mean_flops / s / peak, 4) if peak else None
+        config = {"model": preset.name, "num_layers": model.config.num_hidden_layers, "tokens_per_step": tokens,
+                  "row_tokens": row, "mix": opts.mix, "quant": "nf4" if preset.family == "qwen3" and preset.real
+                  else "none", "lora_rank": opts.lora_rank, "gradient_checkpointing": True,
+                  "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "steps": opts.steps,
+                  "warmup": opts.warmup, "batch": batches[0].length_stats(), "flops_per_step": mean_flops,
+                  "flops_convention": "6 N T + causal attention (fwd + bwd); N = matmul parameters per token",
+                  "peak_flops": peak, "packed_backend": opts.backend, **extra}
+        result = make_result("combined", config, rows, device,
+                             notes="Variants interleaved step by step on the same batches; the first row is 1.00x.")
+        by = {r["name"]: r for r in rows if "step_ms" in r}
+
+        def speed(a, b):
+            return round(by[a]["step_ms"]["median"] / by[b]["step_ms"]["median"], 4) if a in by and b in by else None
+
+        result["derived"] = {k: v for k, v in {
+            "all_fast_vs_default": speed("transformers default", "all fast"),
+            "all_fast_vs_all_naive": speed("all naive", "all fast"),
+            "all_fast_vs_best_stock": (round(min(by[n]["step_ms"]["median"] for n in by if n.startswith(
+                ("transformers", "TRL"))) / by["all fast"]["step_ms"]["median"], 4) if "all fast" in by else None),
+        }.items() if v is not None}
+        stem = f"combined_{preset.name}_L{config['num_layers']}_{tokens}tok_{kernels}"
+        write_json(result, os.path.join(out_dir, stem + ".json"))
+        fig = plot_waterfall(result)
+        if fig is not None:
+            save_figure(fig, os.path.join(out_dir, stem + ".png"))
+        print(f"\n  {label}\n" + format_table(result))
+        return result
+
+
+__all__ = ["CombinedScenario", "CombinedOptions", "combined_variants", "step_flops", "peak_flops", "apply_liger"]
