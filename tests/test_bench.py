@@ -93,3 +93,17 @@ def test_cli_bench_runs_a_scenario_end_to_end(tmp_path, capsys):
     assert "summary" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["bench", "--only", "nosuch"])
+
+
+@pytest.mark.cuda
+def test_cuda_combined_scenario_tiny_runs_every_variant(tmp_path):
+    from fastsft_lab.lab.scenarios import run_scenario
+
+    results = run_scenario("combined", device="cuda", smoke=True, out_dir=str(tmp_path), steps=1, warmup=1,
+                           progress=False)
+    assert {r["config"]["kernels"] for r in results} == {"none", "liger"}
+    for r in results:
+        rows = {v["name"]: v for v in r["variants"]}
+        assert not [n for n, v in rows.items() if "error" in v], {n: v["error"] for n, v in rows.items() if "error" in v}
+        assert rows["all fast"]["host_syncs_per_step"] == 0
+        assert rows["all naive"]["host_syncs_per_step"] > 0

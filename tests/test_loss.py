@@ -76,3 +76,52 @@ def test_model_switch_equals_the_model_loss_and_reverts(preset):
     assert not fastsft_lab.revert(model).fused_loss
     again, _ = run()
     assert torch.equal(again.loss, ref.loss) and again.logits is not None
+
+
+@pytest.mark.cuda
+def test_cuda_fused_loss_matches_in_bf16_and_syncs_nothing():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(1, 4096, 256, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    weight = torch.randn(32000, 256, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05
+    labels = torch.randint(0, 32000, (1, 4096), device="cuda", generator=g)
+    labels[0, :100] = -100
+    ref = _reference(hidden, weight, labels)
+    (ref_g,) = torch.autograd.grad(ref, hidden)
+    torch.cuda.synchronize()
+    with SyncCounter(device="cuda", cross_check=True) as c:
+        got = L.linear_cross_entropy(hidden, weight, labels)
+        (got_g,) = torch.autograd.grad(got, hidden)
+    assert c.total == 0 and (c.cuda_reported or 0) == 0
+    torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(got_g.float(), ref_g.float(), rtol=2e-2, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-gpt-oss"])
+def test_cuda_liger_floor_matches_the_unfused_model(preset):
+    pytest.importorskip("liger_kernel")
+    from fastsft_lab.lab.scenarios.combined import apply_liger
+
+    def build():
+        m = build_model(preset, device="cuda", dtype=torch.bfloat16, lora=LoraSettings(rank=4), seed=0)
+        for n, p in m.named_parameters():
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.05, generator=torch.Generator(device="cuda").manual_seed(1))
+        return m
+
+    batch = benchmark_batches(tokens_per_step=512, row_tokens=256, steps=1, vocab_size=256, mix="short")[0].to("cuda")
+
+    def run(m):
+        out = m(**batch.model_inputs())
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}
+
+    ref_loss, ref_grads = run(build())
+    model = build()
+    apply_liger(model, "qwen3" if preset == "tiny-qwen3" else "gpt_oss")
+    loss, grads = run(model)
+    torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=2e-2)
+    assert grads.keys() == ref_grads.keys()
+    for n in grads:
+        scale = ref_grads[n].abs().max().item()
+        assert (grads[n] - ref_grads[n]).abs().max().item() <= 0.05 * scale + 1e-6, n

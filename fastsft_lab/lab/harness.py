@@ -257,11 +257,12 @@ def _fmt_ms(stat: dict | None) -> str:
 
 
 def format_table(result: dict) -> str:
-    """A short text table: median [p20-p80] per phase, speedup of the step against the first variant."""
+    """A short text table: median [p20-p80] per phase, the step's speed against the first variant (higher is
+    better), host syncs per step (and how many of them inside the decoder layers), peak GPU memory."""
     rows = result["variants"]
     base = next((r for r in rows if "step_ms" in r), None)
     head = f"{'variant':28s} {'forward ms':>22s} {'backward ms':>22s} {'step ms':>22s} {'x step':>7s} " \
-           f"{'syncs':>6s} {'in layers':>9s} {'peak GiB':>8s}"
+           f"{'syncs/step':>10s} {'(in layers)':>11s} {'peak GiB':>8s}"
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
@@ -269,10 +270,11 @@ def format_table(result: dict) -> str:
             continue
         speed = (base["step_ms"]["median"] / r["step_ms"]["median"]) if base and "step_ms" in r else float("nan")
         peak = r.get("peak_mem_bytes")
+        inl = r.get("host_syncs_in_layers")
         lines.append(
             f"{r['name']:28s} {_fmt_ms(r.get('forward_ms')):>22s} {_fmt_ms(r.get('backward_ms')):>22s} "
-            f"{_fmt_ms(r.get('step_ms')):>22s} {speed:7.2f} {str(r.get('host_syncs_per_step', '-')):>6s} "
-            f"{str(r.get('host_syncs_in_layers', '-')):>9s} {(peak / 2**30 if peak else float('nan')):8.2f}"
+            f"{_fmt_ms(r.get('step_ms')):>22s} {speed:6.2f}x {str(r.get('host_syncs_per_step', '-')):>10s} "
+            f"{'(' + str(inl) + ')' if inl is not None else '-':>11s} {f'{peak / 2**30:8.2f}' if peak else '-':>8s}"
         )
     return "\n".join(lines)
 

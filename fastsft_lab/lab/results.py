@@ -126,26 +126,42 @@ def write_index(root: str | os.PathLike | None = None, path: str | os.PathLike =
 
 # --- per-scenario views the notebooks use ---------------------------------------------------------------------------
 def offload_results(root=None, device_type: str = "cuda") -> dict:
-    """Offload results of the newest run of each kind: ``{"offload": [...by tokens], "timeline": [...],
-    "sweep": [...], "vram": [...]}`` (lists empty when nothing was committed)."""
+    """Offload results of the newest run of each kind: ``{"offload": [...one per token count], "timeline": [...],
+    "sweep": [...], "vram": [...]}`` (lists empty when nothing was committed). Where the run holds two documents
+    for one token count (a later call re-measured it), the one with more variants is kept."""
     kinds = {"offload": "offload", "offload_timeline": "timeline", "offload_sweep": "sweep", "offload_vram": "vram"}
     out: dict[str, list] = {}
     for scenario, name in kinds.items():
         out[name] = load_results(scenario, root=root, device_type=device_type, newest_run=True)
     for k in ("offload", "timeline"):
-        out[k].sort(key=lambda d: d["config"].get("tokens_per_step", 0))
+        best: dict[int, dict] = {}
+        for d in out[k]:
+            t = d["config"].get("tokens_per_step", 0)
+            if t not in best or len(d.get("variants", d.get("timelines", []))) > \
+                    len(best[t].get("variants", best[t].get("timelines", []))):
+                best[t] = d
+        out[k] = [best[t] for t in sorted(best)]
     return out
 
 
 def packed_regime(root=None, device_type: str = "cuda") -> list[dict]:
-    """The regime-map points of every committed packed run, one per (model, depth, backend, mix, tokens): the
-    newest measurement of each point (a point measured again in a later session replaces the earlier one)."""
+    """The regime-map points of every committed packed run, one per (model, depth, backend, mix, tokens): the newest
+    measurement of each point that has a cached-vs-naive speedup (a point whose naive path failed is skipped, so it
+    does not hide an earlier valid one). Points come from the regime summaries and from each configuration's own
+    ``speedups``."""
     points = []
     for doc in load_results("packed_metadata_regime", root=root, device_type=device_type):
         for p in doc["summary"]:
             points.append(dict(p, _run=run_of(doc), _date=doc["env"].get("date", "")))
+    for doc in load_results("packed_metadata", root=root, device_type=device_type):
+        c = doc["config"]
+        points.append({"model": c["model"], "backend": c["backend"], "mix": c["mix"],
+                       "tokens_per_step": c["tokens_per_step"], "num_layers": c.get("num_layers"),
+                       **doc.get("speedups", {}), "_run": run_of(doc), "_date": doc["env"].get("date", "")})
     seen, out = set(), []
     for p in sorted(points, key=lambda p: p["_date"], reverse=True):
+        if not p.get("cached_step_speedup"):
+            continue
         key = (p["model"], p.get("num_layers"), p["backend"], p["mix"], p["tokens_per_step"])
         if key not in seen:
             seen.add(key)

@@ -5,7 +5,7 @@
 
 Every control goes through :func:`fastsft_lab.apply` (and :func:`fastsft_lab.revert` for "off"), so what the panel
 shows is what a training script gets. Each run of N steps records, for the current setting, the median step time
-(forward + backward + optimizer), the host syncs of one step and the peak GPU memory; the chart compares every
+(forward + backward + optimizer), the host syncs of one step's forward and backward and the peak GPU memory; the chart compares every
 setting run so far. The same object is driven from code (``sb.set(...)``, ``sb.run(n)``), which is how the tests
 check it on a CPU, and where no widget frontend is present (nbval, a terminal) :meth:`show` prints what it would
 show.
@@ -113,13 +113,14 @@ class Switchboard:
             return packed_inputs(batch)
         return batch.model_inputs()
 
-    def _one_step(self, timer: PhaseTimer | None) -> float:
+    def _one_step(self, timer: PhaseTimer | None, counter: SyncCounter | None = None) -> float:
         batch = self.batches[self._step % len(self.batches)]
         self._step += 1
         ctx = timer.phase("step") if timer is not None else _null()
         with ctx:
-            loss = self.model(**self._inputs(batch)).loss
-            loss.backward()
+            with counter if counter is not None else _null():     # forward + backward (the optimizer apart)
+                loss = self.model(**self._inputs(batch)).loss
+                loss.backward()
             self._optimizer.step()
             self._optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
@@ -129,8 +130,8 @@ class Switchboard:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be a positive int, got {steps!r}")
         self.model.train()
-        with SyncCounter(device=self.device) as counter:
-            self._one_step(None)
+        counter = SyncCounter(device=self.device)
+        self._one_step(None, counter)
         timer = PhaseTimer(self.device)
         reset_peak_memory(self.device)
         times, losses = [], []

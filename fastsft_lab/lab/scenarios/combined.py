@@ -84,9 +84,9 @@ def step_flops(config, seq_lengths, *, active_experts: int | None = None) -> dic
 
 # --- the variants ---------------------------------------------------------------------------------------------------
 def _configure(model: nn.Module, *, packed: str | None = None, cache: bool = True, moe: str | None = None,
-               offload: int = 0) -> None:
+               offload: int = 0, check: bool = True) -> None:
     if packed:
-        enable_packed_attention(model, packed, cache=cache, check_available=False)
+        enable_packed_attention(model, packed, cache=cache, check_available=False, check_batch=check)
     else:
         disable_packed_attention(model)
     if moe is not None:
@@ -155,6 +155,9 @@ def combined_variants(model: nn.Module, *, is_moe: bool, packed: str = "varlen",
     if is_moe:
         out.append(v("all fast, eager-loop experts", "ablation: all fast with the per-expert loop", meta_inputs,
                      packed=packed, moe=moe_naive, offload=2))
+    out.append(v("all fast, no batch check", "all fast without the on-device check that the metadata describes the "
+                 "batch (check_batch=False): what that check costs", meta_inputs, packed=packed, moe=moe_fast,
+                 offload=2, check=False))
     return out
 
 
@@ -287,6 +290,9 @@ class CombinedScenario(Scenario):
         result["derived"] = {k: v for k, v in {
             "all_fast_vs_default": speed("transformers default", "all fast"),
             "all_fast_vs_all_naive": speed("all naive", "all fast"),
+            "batch_check_cost": (round(by["all fast"]["step_ms"]["median"] / by["all fast, no batch check"]["step_ms"]
+                                       ["median"] - 1, 4) if "all fast, no batch check" in by and "all fast" in by
+                                 else None),
             "all_fast_vs_best_stock": (round(min(by[n]["step_ms"]["median"] for n in by if n.startswith(
                 ("transformers", "TRL"))) / by["all fast"]["step_ms"]["median"], 4) if "all fast" in by else None),
         }.items() if v is not None}

@@ -469,7 +469,8 @@ def _run_vram_check(device, *, cfg: dict, out_dir: str, layers: int, tokens: int
 
 
 def results_table(results: Sequence[dict]) -> str:
-    """Step time (ratio to standard checkpointing) and peak memory of every variant, one column per token count."""
+    """Step time, speed against standard checkpointing (higher is better) and peak memory of every variant, one
+    column per token count."""
     if not results:
         return "(no results)"
     names: list[str] = []
@@ -493,7 +494,7 @@ def results_table(results: Sequence[dict]) -> str:
             else:
                 ms = v["step_ms"]["median"]
                 peak = v.get("peak_mem_bytes")
-                ratio = f" {ms / std:.2f}x" if std else ""
+                ratio = f" {std / ms:.2f}x" if std else ""
                 cells.append(f"{ms:7.0f} ms{ratio} {peak / 2**30:5.1f} GiB" if peak else f"{ms:7.1f} ms{ratio}")
         lines.append(f"{n:32s}" + "".join(f"{c:>30s}" for c in cells))
     return "\n".join(lines)
