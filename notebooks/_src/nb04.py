@@ -154,6 +154,8 @@ for doc in sorted(combined, key=lambda d: (d["config"]["model"], d["config"]["to
     print("  " + ", ".join(f"{k} {v:.2f}x" for k, v in doc.get("derived", {}).items()))
 '''),
 ("code", r'''
+if not combined:
+    print("No committed GPU run of the combined scenario yet: no waterfall to draw.")
 for doc in combined:
     fig = plots.plot_waterfall(doc)
     if fig is not None:
