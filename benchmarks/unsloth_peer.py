@@ -1,0 +1,800 @@
+#!/usr/bin/env python3
+"""Unsloth as a peer: the combined benchmark's model, packed batches and LoRA settings, run through Unsloth.
+
+Two commands, two processes, two site folders (Unsloth patches transformers when it is imported, so it never
+shares a process with fastsft_lab's own environment):
+
+``export --out DIR`` (our environment) writes what both sides share: the preset's architecture with random bf16
+weights (``fastsft_lab.models.build_model``, the harness's seed-0 init; safetensors shards), a WordLevel tokenizer
+whose vocabulary is the model's (Unsloth's loader needs one in the folder), the packed batches of
+``fastsft_lab.data.benchmark_batches`` as plain lists (``batches.json``) and ``meta.json`` (written last: its
+presence means the export is complete).
+
+``run --dir DIR --out RESULT.json`` (Unsloth's environment; imports nothing of fastsft_lab) measures one
+training step per batch of Unsloth 2026.10's own QLoRA path and writes it in the harness's result format
+(``scenario``/``env``/``config``/``variants`` with ``forward_ms``/``backward_ms``/``optimizer_ms``/``step_ms`` as
+median/p20/p80/n, ``peak_mem_bytes``, ``host_syncs_per_step``, ``loss_median``). What runs:
+
+* ``FastLanguageModel.from_pretrained(DIR, load_in_4bit=True, dtype=bf16, max_seq_length=tokens,
+  local_files_only=True)``: the loader reads config.json (model_type qwen3 -> ``FastQwen3Model``) and has
+  transformers/bitsandbytes quantize the bf16 shards on the fly (NF4, double quant, bf16 compute; lm_head and the
+  embedding stay bf16) -- the NF4 scheme of our ``quantize_nf4`` QLoRA, on the same seed-0 weights.
+* ``get_peft_model(r, alpha 32, dropout 0, q/k/v/o/gate/up/down, use_gradient_checkpointing="unsloth")``:
+  Unsloth's own Qwen3 attention/decoder/model forwards, Triton RMSNorm and RoPE kernels, fused LoRA autograd
+  functions for QKV, O and the SwiGLU MLP (NF4 dequantized inside), LoRA weights upcast to fp32; the forward runs
+  under bf16 autocast as its Trainer (bf16=True) runs it. LoRA B starts non-zero (normal, std 0.01), as in the
+  combined scenario.
+* Packing: each batch is one row fed as ``input_ids``/``labels``/``position_ids`` (restarting at 0 per segment,
+  which Unsloth's Qwen3 RoPE reads) plus ``packed_seq_lengths`` (int32 segment lengths, pad tail included; a host
+  tensor as its collator builds it, or on the GPU with ``--seq-lengths-device cuda`` as HF Trainer's
+  ``_prepare_inputs`` would move it). Attention reads the segment boundaries from ``packed_seq_lengths`` only.
+  Without flash-attn or xformers, and with torch 2.11's ``varlen_attn`` lacking ``enable_gqa`` (Unsloth wants
+  2.12), Unsloth runs *one SDPA call per run of equal-length segments in every layer* (``_sdpa_packed_segments``)
+  in the forward, the recompute and the backward -- where our packed path runs one varlen flash call per layer
+  on metadata built once per batch. ``attention_calls`` in the result says which path ran.
+* Offloaded checkpointing (``UnslothCheckpointFunction``, reentrant): each decoder layer's input (after the
+  first pass, not the last layer's) is copied to pinned host memory on a side stream in the forward and reloaded
+  in the backward through a GPU staging buffer. Double buffer (default; ``UNSLOTH_DISABLE_DOUBLE_BUFFER=1`` turns
+  it off; read once, when the first checkpoint is initialised; set here before ``import unsloth``): two staging
+  buffers alternate, so a reload waits only for the compute that last used its buffer, not for all prior work;
+  Unsloth turns it on from the second forward if more than 512 MiB are free (``double_buffer_per_measured_step``
+  records what happened). No prefetch (``UNSLOTH_GC_PREFETCH`` unset), unlike our double buffer.
+* Loss: Unsloth's chunked fused linear cross-entropy (``unsloth_fused_ce_loss``, torch.compile'd chunks; the full
+  logits never exist), the mean over labelled tokens (our stock path materialises the logits). Its per-block
+  torch.compile (torch >= 2.11) is bypassed for batches with ``packed_seq_lengths``: the decoder runs eagerly.
+* ``torch.optim.AdamW(lr=1e-6)`` over the trainable parameters, as the harness's ``make_optimizer``.
+
+Timing as the harness: CUDA events around forward, backward, optimizer (step + zero_grad) and the whole step,
+one sync after each step, ``warmup`` untimed steps first, batches cycled ``batch[s % n]``; peak memory is
+``max_memory_allocated`` reset before each step (max over all steps, as the harness). Host syncs are counted over
+one extra untimed step (batch 0) as the ``torch.cuda.set_sync_debug_mode("warn")`` warnings mentioning
+"synchroniz" (not our dispatch-mode counter), the optimizer apart. Every failure -- and a run where the
+measured path is not the claimed one (no 4-bit layers, packed attention not reached, no offload, double buffer
+not as asked, adapters without gradients, a non-finite loss) -- writes a result whose variant carries ``error``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import signal
+import sys
+import time
+import traceback
+from importlib.metadata import version as _metadata_version
+
+SCENARIO = "peer-unsloth"
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_ALPHA = 32
+LORA_DROPOUT = 0.0
+LR = 1e-6
+EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "batches.json")
+
+
+# --- pure helpers (both environments) ---------------------------------------------------------------------------
+def _quantile(sorted_values, p: float) -> float:
+    """Linear-interpolation quantile ``p`` of already sorted values (numpy's default method)."""
+    x = p * (len(sorted_values) - 1)
+    lo = int(x)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (x - lo)
+
+
+def percentiles(values) -> dict:
+    """median, p20, p80 (linear interpolation) and n, rounded as the harness reports them."""
+    v = sorted(float(x) for x in values)
+    if not v:
+        return {"median": float("nan"), "p20": float("nan"), "p80": float("nan"), "n": 0}
+    return {"median": round(_quantile(v, 0.5), 4), "p20": round(_quantile(v, 0.2), 4),
+            "p80": round(_quantile(v, 0.8), 4), "n": len(v)}
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _log(msg: str) -> None:
+    print(f"[unsloth_peer {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _one_line(text: str, limit: int = 600) -> str:
+    return " ".join(str(text).split())[:limit]
+
+
+def _write_json(path: str, doc: dict) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=2, default=str, allow_nan=True)
+    os.replace(tmp, path)
+    return path
+
+
+def _dist_version(name: str) -> str | None:
+    module = sys.modules.get(name)
+    if module is not None and getattr(module, "__version__", None):
+        return str(module.__version__)
+    try:
+        return _metadata_version(name)
+    except Exception:  # noqa: BLE001 - not installed
+        return None
+
+
+def length_stats(seq_lengths, pad_lengths, row_tokens: int) -> dict:
+    """The harness's ``PackedBatch.length_stats`` from plain lists (segments without the padding tails)."""
+    real = [n for row, pad in zip(seq_lengths, pad_lengths) for n in (row[:-1] if pad else row)]
+    rows = len(seq_lengths)
+    out = {"rows": rows, "row_tokens": row_tokens, "fill": (rows * row_tokens - sum(pad_lengths)) / (rows * row_tokens)}
+    if not real:
+        return {"count": 0, **out}
+    s = sorted(real)
+    return {"count": len(s), "min": s[0], "median": round(_quantile(s, 0.5), 1), "mean": round(sum(s) / len(s), 1),
+            "p90": round(_quantile(s, 0.9), 1), "max": s[-1], **out}
+
+
+def batches_to_json(batches) -> list[dict]:
+    """PackedBatch list -> plain lists (input_ids, labels, position_ids, seq_lengths, pad_lengths)."""
+    return [{"input_ids": b.input_ids.tolist(), "labels": b.labels.tolist(), "position_ids": b.position_ids.tolist(),
+             "seq_lengths": [list(r) for r in b.seq_lengths], "pad_lengths": list(b.pad_lengths)} for b in batches]
+
+
+def read_export(folder: str) -> tuple[dict, list[dict]]:
+    """meta.json and batches.json of an export folder, checked; raises with what is missing."""
+    meta_path = os.path.join(folder, "meta.json")
+    if not os.path.isfile(meta_path):
+        err = os.path.join(folder, "export_error.json")
+        why = ""
+        if os.path.isfile(err):
+            with open(err) as f:
+                why = "; export failed: " + _one_line(json.load(f).get("error", "?"), 300)
+        raise FileNotFoundError(f"{meta_path} is missing (no complete export in {folder}{why})")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    with open(os.path.join(folder, "batches.json")) as f:
+        batches = json.load(f)["batches"]
+    if not batches:
+        raise ValueError(f"{folder}/batches.json holds no batches")
+    for i, b in enumerate(batches):
+        rows = len(b["input_ids"])
+        for r in range(rows):
+            if sum(b["seq_lengths"][r]) != len(b["input_ids"][r]):
+                raise ValueError(f"batch {i} row {r}: seq_lengths sum to {sum(b['seq_lengths'][r])}, "
+                                 f"the row has {len(b['input_ids'][r])} tokens")
+    return meta, batches
+
+
+# --- export (our environment) -----------------------------------------------------------------------------------
+def _tokenizer(vocab_size: int, model_max_length: int):
+    """A WordLevel tokenizer "t0".."t{V-1}" (ids = our token ids) with pad t0, eos t1, unk t3."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t3"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t3",
+                                   model_max_length=model_max_length)
+
+
+def export(out: str, model: str = "qwen3-14b", num_layers: int | None = 8, tokens: int = 8192, steps: int = 6,
+           mix: str = "realistic", lora_rank: int = 16, device: str | None = None) -> dict:
+    """Write the shared inputs of the Unsloth peer into ``out`` (see the module docstring); returns meta.json."""
+    import torch
+
+    import fastsft_lab
+    from fastsft_lab.data import benchmark_batches
+    from fastsft_lab.models import build_model, get_preset
+
+    t0 = time.time()
+    for stale in ("meta.json", "export_error.json"):  # whatever happens next, no stale export looks complete
+        if os.path.isfile(os.path.join(out, stale)):
+            os.remove(os.path.join(out, stale))
+    preset = get_preset(model)
+    if preset.family != "qwen3":
+        raise ValueError(f"preset {model!r} is a {preset.family} model: the Unsloth peer covers dense Qwen3 presets "
+                         "only (FastLanguageModel runs them through FastQwen3Model, its hand-written packed path)")
+    max_pos = preset.config["max_position_embeddings"]
+    if tokens > max_pos:
+        raise ValueError(f"tokens={tokens} exceeds {model}'s max_position_embeddings={max_pos} (Unsloth would "
+                         "rescale RoPE)")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    os.makedirs(out, exist_ok=True)
+    for name in os.listdir(out):  # only what an export writes: a stale meta.json must never survive a failure
+        if name in EXPORT_FILES or (name.startswith("model-") and name.endswith(".safetensors")):
+            os.remove(os.path.join(out, name))
+
+    _log(f"export: {model}, {num_layers or 'all'} layers, random bf16 weights on {device}")
+    net = build_model(model, weights="random", device=device, dtype=torch.bfloat16, num_layers=num_layers)
+    vocab = net.config.vocab_size
+    net.config.pad_token_id, net.config.eos_token_id, net.config.bos_token_id = 0, 1, None
+    if getattr(net, "generation_config", None) is not None:
+        net.generation_config.pad_token_id, net.generation_config.eos_token_id, net.generation_config.bos_token_id = \
+            0, 1, None
+    n_params = sum(p.numel() for p in net.parameters())
+    t1 = time.time()
+    net.save_pretrained(out, max_shard_size="2GB")  # transformers 5 always writes safetensors
+    shards = sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))
+    if not shards:
+        raise RuntimeError(f"save_pretrained wrote no .safetensors file into {out}")
+    weight_bytes = sum(os.path.getsize(os.path.join(out, n)) for n in shards)
+    _log(f"export: {n_params / 1e9:.2f}B parameters, {weight_bytes / 2**30:.2f} GiB in {len(shards)} shard(s), "
+         f"saved in {time.time() - t1:.0f}s")
+    num_layers_built = net.config.num_hidden_layers
+    del net
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    tok = _tokenizer(vocab, max_pos)
+    if len(tok) != vocab:
+        raise RuntimeError(f"tokenizer has {len(tok)} tokens, the model {vocab}")
+    tok.save_pretrained(out)
+
+    batches = benchmark_batches(tokens_per_step=tokens, row_tokens=tokens, steps=steps, vocab_size=vocab, mix=mix)
+    _write_json(os.path.join(out, "batches.json"), {"format": 1, "tokens_per_step": tokens, "row_tokens": tokens,
+                                                    "mix": mix, "batches": batches_to_json(batches)})
+    meta = {
+        "preset": model, "family": preset.family, "hub_id": preset.hub_id, "num_layers": num_layers_built,
+        "tokens": tokens, "row_tokens": tokens, "steps": steps, "mix": mix, "vocab_size": vocab,
+        "lora_rank": lora_rank, "lora_alpha": LORA_ALPHA, "lora_dropout": LORA_DROPOUT,
+        "targets": list(LORA_TARGETS), "dtype": "bfloat16", "params": n_params,
+        "weights": "random, fastsft_lab.models.build_model seed 0 (the harness's init), bf16 safetensors",
+        "weight_bytes": weight_bytes, "shards": shards,
+        "batches": [length_stats(b.seq_lengths, b.pad_lengths, tokens) for b in batches],
+        "date": _now(), "export_device": str(device), "export_seconds": round(time.time() - t0, 1),
+        "versions": {"fastsft_lab": fastsft_lab.__version__, "torch": torch.__version__,
+                     "transformers": _dist_version("transformers"), "tokenizers": _dist_version("tokenizers"),
+                     "peft": _dist_version("peft"), "python": platform.python_version()},
+    }
+    _write_json(os.path.join(out, "meta.json"), meta)  # last: marks the export complete
+    _log(f"export: done in {meta['export_seconds']}s -> {out}")
+    return meta
+
+
+# --- run (Unsloth's environment) --------------------------------------------------------------------------------
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM (this run's timeout, or the stage's) while running."""
+
+
+class CheckFailed(RuntimeError):
+    """The measured path is not the one the result would claim."""
+
+
+def _environment(torch=None) -> dict:
+    env = {"device": None, "gpu_name": None, "cpu": platform.processor() or platform.machine(),
+           "cpu_count": os.cpu_count(), "python": platform.python_version()}
+    for name in ("torch", "transformers", "peft", "bitsandbytes", "trl", "unsloth", "unsloth_zoo", "triton",
+                 "accelerate", "datasets", "xformers", "flash_attn"):
+        env[name] = _dist_version(name)
+    if torch is not None:
+        env["torch"], env["cuda"] = torch.__version__, torch.version.cuda
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            env.update(device="cuda", gpu_name=props.name, gpu_memory_bytes=props.total_memory,
+                       gpu_sm_count=props.multi_processor_count, gpu_capability=f"{props.major}.{props.minor}")
+            try:
+                import subprocess
+
+                res = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                     capture_output=True, text=True, timeout=10, check=False)
+                env["driver"] = res.stdout.strip().splitlines()[0] if res.stdout.strip() else None
+            except Exception:  # noqa: BLE001
+                env["driver"] = None
+        else:
+            env["device"] = "cpu"
+    unsloth = sys.modules.get("unsloth")
+    if unsloth is not None:
+        env["unsloth_path"] = os.path.dirname(getattr(unsloth, "__file__", "") or "")
+    env["unsloth_env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("UNSLOTH_")}
+    env["date"] = _now()
+    return env
+
+
+def _variant_name(double_buffer: str) -> str:
+    return f"unsloth (double buffer {double_buffer})"
+
+
+def _note(double_buffer: str, lengths_device: str) -> str:
+    return (f"Unsloth {_dist_version('unsloth')} FastLanguageModel (FastQwen3Model): NF4 QLoRA quantized on load, "
+            "fused LoRA QKV/O/MLP, Triton RMSNorm/RoPE, chunked fused CE (compiled), bf16 autocast, fp32 LoRA; "
+            f"packed_seq_lengths ({lengths_device}) + restarting position_ids, per-segment SDPA without "
+            f"flash-attn/xformers; offloaded gradient checkpointing, double buffer {double_buffer}; host syncs "
+            "from torch.cuda sync-debug warnings")
+
+
+def _count_attention_calls(adispatch, counts: dict):
+    """Wrap Unsloth's packed-attention entry points with counters; returns an undo function."""
+    saved = {}
+    for name in ("_sdpa_packed_segments", "_torch_varlen_packed", "build_sdpa_packed_attention_mask",
+                 "build_xformers_block_causal_mask"):
+        fn = getattr(adispatch, name, None)
+        if fn is None:
+            continue
+        saved[name] = fn
+
+        def wrapper(*args, _fn=fn, _name=name, **kwargs):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _fn(*args, **kwargs)
+
+        setattr(adispatch, name, wrapper)
+
+    def undo():
+        for name, fn in saved.items():
+            setattr(adispatch, name, fn)
+
+    return undo
+
+
+def _sync_warnings(fn, torch) -> tuple[int, dict]:
+    """Run ``fn`` under sync-debug mode "warn": (warnings mentioning "synchroniz", {site: count})."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    sites: dict = {}
+    n = 0
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            n += 1
+            key = f"{os.path.basename(str(w.filename))}:{w.lineno}"
+            sites[key] = sites.get(key, 0) + 1
+    return n, dict(sorted(sites.items(), key=lambda kv: -kv[1])[:12])
+
+
+def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps: int | None = None,
+        lengths_device: str = "cpu", allow_cpu: bool = False, ctx: dict | None = None) -> dict:
+    """Measure Unsloth on an export folder and write ``out``; ``ctx`` collects what is known if it fails."""
+    ctx = ctx if ctx is not None else {}
+    ctx["stage"] = "read export"
+    meta, raw = read_export(folder)
+    steps = len(raw) if steps is None else steps
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
+    rows = len(raw[0]["input_ids"])
+    tokens = rows * len(raw[0]["input_ids"][0])
+    config = {"model": meta["preset"], "num_layers": meta["num_layers"], "tokens_per_step": tokens,
+              "row_tokens": meta["row_tokens"], "mix": meta["mix"], "quant": "nf4 (unsloth 4-bit)",
+              "lora_rank": meta["lora_rank"], "lora_alpha": meta.get("lora_alpha", LORA_ALPHA),
+              "lora_dropout": meta.get("lora_dropout", LORA_DROPOUT), "lora_targets": meta["targets"],
+              "lora_b_init": "normal(0, 0.01) where zero (as the harness)", "gradient_checkpointing": "unsloth",
+              "double_buffer": double_buffer, "packed_seq_lengths_device": lengths_device, "autocast": "bf16",
+              "dtype": "bfloat16", "optimizer": "torch.optim.AdamW", "lr": LR, "steps": steps, "warmup": warmup,
+              "batch": length_stats(raw[0]["seq_lengths"], raw[0]["pad_lengths"], meta["row_tokens"]),
+              "export": {k: meta.get(k) for k in ("weights", "params", "date", "versions", "vocab_size")},
+              "export_dir": os.path.abspath(folder)}
+    ctx["config"] = config
+
+    ctx["stage"] = "environment"
+    if "transformers" in sys.modules:
+        raise RuntimeError("transformers was imported before unsloth: run this command in its own process")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
+    os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", "/tmp/unsloth_compiled_cache")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # "1": off; any other value forces it on (unset: off only on integrated GPUs). Read at the first checkpoint init.
+    os.environ["UNSLOTH_DISABLE_DOUBLE_BUFFER"] = "1" if double_buffer == "off" else "0"
+    ctx["env_requested"] = {k: os.environ[k] for k in sorted(os.environ) if k.startswith(("UNSLOTH_", "HF_"))}
+
+    ctx["stage"] = "import unsloth"
+    t = time.time()
+    _log("importing unsloth (before transformers)")
+    try:
+        import unsloth  # noqa: F401 - patches transformers, must come first
+        from unsloth import FastLanguageModel
+    except ModuleNotFoundError as e:
+        if e.name and e.name.split(".")[0] in ("unsloth", "unsloth_zoo"):
+            raise ModuleNotFoundError(f"unsloth is not importable ({e}); run in the Unsloth site folder: "
+                                      "pip install --target /tmp/site-unsloth .whl-unsloth/*.whl and "
+                                      "PYTHONPATH=/tmp/site-unsloth:$PWD") from None
+        raise
+    import torch
+
+    ctx["env"] = _environment(torch)
+    timings = {"import_s": round(time.time() - t, 1)}
+    ctx["timings_s"] = timings
+    cuda = torch.cuda.is_available()
+    if not cuda and not allow_cpu:
+        raise RuntimeError("no CUDA device: the Unsloth peer measures the GPU path (--allow-cpu runs Unsloth's "
+                           "CPU backend for a plumbing check, a different code path)")
+    device = torch.device("cuda" if cuda else "cpu")
+    _log(f"unsloth {_dist_version('unsloth')}, torch {torch.__version__}, transformers "
+         f"{_dist_version('transformers')}, device {ctx['env'].get('gpu_name') or 'cpu'}")
+
+    ctx["stage"] = "load (FastLanguageModel.from_pretrained, 4-bit)"
+    t = time.time()
+    model, _tok = FastLanguageModel.from_pretrained(
+        model_name=os.path.abspath(folder), max_seq_length=tokens, dtype=torch.bfloat16, load_in_4bit=True,
+        local_files_only=True, fix_tokenizer=False, use_gradient_checkpointing="unsloth")
+    timings["load_s"] = round(time.time() - t, 1)
+    quantized = [n for n, m in model.named_modules() if type(m).__name__ == "Linear4bit"]
+    n4 = sum(1 for n in quantized if n.rsplit(".", 1)[-1] in LORA_TARGETS)
+    want4 = len(LORA_TARGETS) * meta["num_layers"]
+    _log(f"loaded in {timings['load_s']}s: {type(model).__name__}, {len(quantized)} Linear4bit layers"
+         + (f", {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated" if cuda else ""))
+    if n4 != want4:
+        raise CheckFailed(f"{n4} of the {want4} projections (7 x layers) are bitsandbytes Linear4bit after the "
+                          "4-bit load: the base weights are not NF4")
+
+    ctx["stage"] = "get_peft_model"
+    t = time.time()
+    model = FastLanguageModel.get_peft_model(
+        model, r=int(meta["lora_rank"]), target_modules=list(meta["targets"]),
+        lora_alpha=config["lora_alpha"], lora_dropout=config["lora_dropout"], bias="none",
+        use_gradient_checkpointing="unsloth", random_state=3407, max_seq_length=tokens)
+    timings["peft_s"] = round(time.time() - t, 1)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not trainable:
+        raise CheckFailed("get_peft_model left no trainable parameter")
+    with torch.no_grad():
+        for _, p in trainable:  # LoRA B starts at zero; give the adapters a real gradient path (as the harness)
+            if p.dim() == 2 and not p.any():
+                p.normal_(std=0.01)
+    layers = model.base_model.model.model.layers if hasattr(model, "base_model") else []
+    fused = {"qkv": sum(getattr(getattr(l.self_attn, "apply_qkv", None), "__name__", "") == "apply_lora_qkv"
+                        for l in layers),
+             "o": sum(getattr(getattr(l.self_attn, "apply_o", None), "__name__", "") == "apply_lora_o" for l in layers),
+             "mlp": sum("lora_mlp" in getattr(getattr(l.mlp, "forward", None), "__name__", "") for l in layers)}
+    emb = model.get_input_embeddings().weight
+    model_info = {"class": type(model).__name__, "linear4bit": len(quantized),
+                  "linear4bit_other": [n for n in quantized if n.rsplit(".", 1)[-1] not in LORA_TARGETS][:4],
+                  "fused_lora_layers": fused,
+                  "params_trainable": sum(p.numel() for _, p in trainable),
+                  "trainable_dtypes": sorted({str(p.dtype).replace("torch.", "") for _, p in trainable}),
+                  "embedding_device": str(emb.device), "max_seq_length": getattr(model, "max_seq_length", None)}
+    ctx["model"] = model_info
+    _log(f"LoRA ready in {timings['peft_s']}s: {model_info['params_trainable'] / 1e6:.1f}M trainable "
+         f"{model_info['trainable_dtypes']}, fused layers {fused}, embedding on {emb.device}")
+
+    ctx["stage"] = "batches"
+    feeds = []
+    for b in raw:  # rows laid end to end: Unsloth's packed path takes one (1, T) row
+        flat = lambda key: torch.tensor([x for row in b[key] for x in row], dtype=torch.long)[None]  # noqa: E731
+        lengths = torch.tensor([n for row in b["seq_lengths"] for n in row], dtype=torch.int32)
+        feeds.append({"input_ids": flat("input_ids").to(device), "labels": flat("labels").to(device),
+                      "position_ids": flat("position_ids").to(device),
+                      "packed_seq_lengths": lengths.to(device) if lengths_device == "cuda" else lengths,
+                      "use_cache": False})
+    optimizer = torch.optim.AdamW([p for _, p in trainable], lr=LR)
+    model.train()
+
+    def forward(feed):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(**feed).loss
+        if loss is None:
+            raise RuntimeError("the model returned no loss")
+        return loss
+
+    gcmod = None
+    if cuda:  # its module globals say what the offloaded checkpointing did (loaded by unsloth's GPU init anyway)
+        import unsloth_zoo.gradient_checkpointing as gcmod
+    samples = {k: [] for k in ("forward", "backward", "optimizer", "step")}
+    losses, peaks, peaks_measured, first_steps, db_measured = [], [], [], [], []
+    total = warmup + steps
+    for s in range(total):
+        measured = s >= warmup
+        ctx["stage"] = f"step {s + 1}/{total} ({'measured' if measured else 'warmup'})"
+        feed = feeds[s % len(feeds)]
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            ev = {k: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for k in samples}
+            mark = lambda k, i: ev[k][i].record()  # noqa: E731
+        else:
+            ev = {k: [0.0, 0.0] for k in samples}
+
+            def mark(k, i):
+                ev[k][i] = time.perf_counter()
+        t = time.time()
+        mark("step", 0)
+        mark("forward", 0)
+        loss = forward(feed)
+        mark("forward", 1)
+        mark("backward", 0)
+        loss.backward()
+        mark("backward", 1)
+        mark("optimizer", 0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mark("optimizer", 1)
+        mark("step", 1)
+        if cuda:
+            torch.cuda.synchronize()
+            times = {k: a.elapsed_time(b) for k, (a, b) in ev.items()}
+            peak = int(torch.cuda.max_memory_allocated())
+        else:
+            times = {k: (b - a) * 1e3 for k, (a, b) in ev.items()}
+            peak = None
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise CheckFailed(f"loss is {value} at step {s + 1}")
+        peaks.append(peak)
+        if measured:
+            for k, ms in times.items():
+                samples[k].append(ms)
+            losses.append(value)
+            peaks_measured.append(peak)
+            if gcmod is not None:  # set at the start of this step's forward (from the second forward on)
+                db_measured.append(bool(getattr(gcmod, "USE_DOUBLE_BUFFER", False)))
+        else:
+            first_steps.append(round(time.time() - t, 2))
+        ctx["completed_steps"] = s + 1
+        _log(f"step {s + 1}/{total} {'measured' if measured else 'warmup  '} fwd {times['forward']:8.1f} ms  "
+             f"bwd {times['backward']:8.1f} ms  opt {times['optimizer']:6.1f} ms  step {times['step']:8.1f} ms  "
+             f"loss {value:.4f}" + (f"  peak {peak / 2**30:.2f} GiB" if peak else ""))
+    timings["warmup_wall_s"] = first_steps
+
+    ctx["stage"] = "host-sync count step (untimed)"
+    # Loaded by unsloth's GPU init (importing it on the CPU backend is a circular import): look it up, don't import.
+    adispatch = sys.modules.get("unsloth.utils.attention_dispatch")
+    if adispatch is None and cuda:
+        raise CheckFailed("unsloth.utils.attention_dispatch is not loaded: this is not Unsloth's GPU path")
+    attention_calls: dict = {}
+    undo = _count_attention_calls(adispatch, attention_calls) if adispatch is not None else (lambda: None)
+
+    def forward_backward():
+        forward(feeds[0]).backward()
+
+    try:
+        if cuda:
+            syncs, sites = _sync_warnings(forward_backward, torch)
+        else:
+            forward_backward()
+            syncs, sites = None, {}
+    finally:
+        undo()
+    no_grad = [n for n, p in trainable if p.grad is None]
+    zero_grad = [n for n, p in trainable if p.grad is not None and not bool(p.grad.any())]
+    if cuda:
+        syncs_opt, _ = _sync_warnings(optimizer.step, torch)
+    else:
+        optimizer.step()
+        syncs_opt = None
+    optimizer.zero_grad(set_to_none=True)
+
+    variant = {"name": _variant_name(double_buffer),
+               "toggles": {"double_buffer": double_buffer, "gradient_checkpointing": "unsloth",
+                           "packed_seq_lengths": lengths_device, "load_in_4bit": True},
+               "note": _note(double_buffer, lengths_device)}
+    for k in ("forward", "backward", "optimizer", "step"):
+        variant[f"{k}_ms"] = percentiles(samples[k])
+    step_s = variant["step_ms"]["median"] / 1e3
+    variant.update({
+        "peak_mem_bytes": max(p for p in peaks if p is not None) if cuda else None,
+        "peak_mem_bytes_measured": max(p for p in peaks_measured if p is not None) if cuda else None,
+        "loss_median": percentiles(losses)["median"], "losses": [round(x, 5) for x in losses],
+        "tokens_per_s": round(tokens / step_s, 1) if step_s > 0 else None,
+        "host_syncs_per_step": syncs, "host_syncs_optimizer": syncs_opt,
+        "host_syncs_method": "torch.cuda.set_sync_debug_mode('warn'): warnings mentioning 'synchroniz' over one "
+                             "untimed forward+backward (batch 0); optimizer step apart",
+        "host_sync_sites": sites, "attention_calls": attention_calls,
+        "samples_ms": {k: [round(x, 3) for x in v] for k, v in samples.items()},
+    })
+
+    ctx["stage"] = "checks"
+    problems = []
+    if no_grad or zero_grad:
+        problems.append(f"{len(no_grad)} trainable tensors got no gradient and {len(zero_grad)} a zero one "
+                        f"(e.g. {(no_grad + zero_grad)[:2]})")
+    packing = {"torch_varlen_attn": getattr(adispatch, "_TORCH_VARLEN_ATTN", None) is not None,
+               "sdpa_packed_segments_enabled": bool(getattr(adispatch, "_SDPA_PACKED_SEGMENTS", False)),
+               "has_flash_attention": bool(getattr(adispatch, "HAS_FLASH_ATTENTION", False)),
+               "has_xformers": bool(getattr(adispatch, "HAS_XFORMERS", False))}
+    if cuda:
+        packing.update(sdpa_flash_enabled=torch.backends.cuda.flash_sdp_enabled(),
+                       sdpa_cudnn_enabled=torch.backends.cuda.cudnn_sdp_enabled(),
+                       sdpa_mem_efficient_enabled=torch.backends.cuda.mem_efficient_sdp_enabled())
+        if gcmod is None:
+            raise CheckFailed("unsloth_zoo.gradient_checkpointing is not loaded: no Unsloth checkpointing ran")
+
+        packed_calls = sum(attention_calls.get(k, 0) for k in ("_sdpa_packed_segments", "_torch_varlen_packed",
+                                                                "build_sdpa_packed_attention_mask",
+                                                                "build_xformers_block_causal_mask"))
+        if packed_calls == 0:
+            problems.append("Unsloth's packed attention was never called: packed_seq_lengths did not reach it")
+        offload = {"checkpoint_function": torch.utils.checkpoint.CheckpointFunction.__name__,
+                   "offload_observed": getattr(gcmod, "USE_UNSLOTH_GC", True) is False,
+                   "double_buffer_effective": bool(db_measured) and all(db_measured),
+                   "double_buffer_per_measured_step": db_measured,
+                   "buffer_b_allocated": getattr(gcmod, "GPU_BUFFERS_B", None) is not None,
+                   "gc_prefetch": bool(getattr(gcmod, "GC_PREFETCH", False)),
+                   "last_gc_index": getattr(gcmod, "LAST_GC_INDEX", None)}
+        variant.update(offload)
+        if not offload["offload_observed"]:
+            problems.append("Unsloth's offloaded checkpointing never offloaded a layer input")
+        if any(state != (double_buffer == "on") for state in db_measured):
+            problems.append(f"double buffer asked {double_buffer} but Unsloth's was {db_measured} over the measured "
+                            "steps (it turns on from the second forward if > 512 MiB are free; off on OOM)")
+    variant["packing"] = packing
+    variant["model"] = model_info
+    warnings_ = []  # deviations that do not invalidate the measurement, but a reader must see
+    if cuda and min(fused.values()) < meta["num_layers"]:
+        warnings_.append(f"Unsloth's fused LoRA kernels are installed on only {fused} of {meta['num_layers']} layers")
+    if cuda and emb.device.type != "cuda":
+        warnings_.append(f"Unsloth offloaded the input embedding to {emb.device} (offload_embedding='auto')")
+    if attention_calls.get("build_sdpa_packed_attention_mask"):
+        warnings_.append("Unsloth fell back to SDPA over a dense (T, T) block-diagonal mask in some layers")
+    if attention_calls.get("_torch_varlen_packed"):
+        warnings_.append("attention ran torch's varlen kernel, not per-segment SDPA (a torch with "
+                         "varlen_attn(enable_gqa=...)): the docstring's per-segment description does not apply")
+    variant["warnings"] = warnings_
+    ctx["env"] = _environment(torch)
+    env = ctx["env"]
+    if problems:
+        msg = "; ".join(problems)
+        unverified = {k: variant.pop(k) for k in list(variant) if k.endswith("_ms") or k in (
+            "peak_mem_bytes", "peak_mem_bytes_measured", "loss_median", "tokens_per_s", "host_syncs_per_step")}
+        variant.update(error=f"check failed: {msg}", unverified_measurements=unverified)
+    config["timings_s"] = timings
+    config["env_requested"] = ctx["env_requested"]
+    result = {"scenario": SCENARIO, "env": env, "config": config, "variants": [variant],
+              "notes": "Unsloth's own QLoRA path on the combined benchmark's architecture and batches "
+                       "(benchmarks/unsloth_peer.py); one variant per process (double buffer on/off)."}
+    if problems:
+        result["error"] = variant["error"]
+    _write_json(out, result)
+    return result
+
+
+def error_result(ctx: dict, message: str, double_buffer: str, lengths_device: str, tb: str | None) -> dict:
+    env = ctx.get("env")
+    if not env:
+        torch = sys.modules.get("torch")
+        try:
+            if torch is None:
+                import torch  # torch before unsloth is harmless; the env block wants the device
+            env = _environment(torch)
+        except Exception:  # noqa: BLE001 - the error result must be written whatever else fails
+            env = _environment(None)
+    variant = {"name": _variant_name(double_buffer), "error": message, "stage": ctx.get("stage"),
+               "toggles": {"double_buffer": double_buffer, "gradient_checkpointing": "unsloth",
+                           "packed_seq_lengths": lengths_device, "load_in_4bit": True},
+               "note": "failed: " + message, "completed_steps": ctx.get("completed_steps", 0)}
+    if ctx.get("model"):
+        variant["model"] = ctx["model"]
+    config = dict(ctx.get("config") or {"double_buffer": double_buffer})
+    if ctx.get("timings_s"):
+        config["timings_s"] = ctx["timings_s"]
+    if ctx.get("env_requested"):
+        config["env_requested"] = ctx["env_requested"]
+    doc = {"scenario": SCENARIO, "env": env, "config": config, "variants": [variant], "error": message,
+           "stage": ctx.get("stage"), "notes": "the Unsloth peer failed; see error and stage"}
+    if tb:
+        doc["traceback"] = tb.splitlines()[-40:]
+    return doc
+
+
+_SIGNALLED = [False]
+
+
+def _on_signal(signum, frame):
+    if _SIGNALLED[0]:  # timeout and the stage's timeout may both signal: one interruption is enough
+        return
+    _SIGNALLED[0] = True
+    limit = os.environ.get("UNSLOTH_PEER_TIMEOUT_S")
+    raise Interrupted(f"{signal.Signals(signum).name} received" + (f" (this run's timeout is {limit} s, or the "
+                                                                   "stage's ran out)" if limit else ""))
+
+
+def _cli_run(args) -> int:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_signal)
+    ctx: dict = {}
+    _log(f"run: {args.dir} -> {args.out} (double buffer {args.double_buffer}, warmup {args.warmup})")
+    try:
+        result = run(args.dir, args.out, double_buffer=args.double_buffer, warmup=args.warmup, steps=args.steps,
+                     lengths_device=args.seq_lengths_device, allow_cpu=args.allow_cpu, ctx=ctx)
+    except BaseException as e:  # noqa: BLE001 - every failure becomes an error result
+        _SIGNALLED[0] = True  # from here on a late signal must not interrupt writing the error result
+        interrupted = isinstance(e, (KeyboardInterrupt, Interrupted))
+        kind = "interrupted" if interrupted else type(e).__name__
+        message = _one_line(f"{ctx.get('stage', '?')}: {kind}: {e}")
+        tb = None
+        if not (isinstance(e, ModuleNotFoundError) and ctx.get("stage") == "import unsloth"):
+            tb = traceback.format_exc()
+            print(tb, flush=True)
+        try:
+            _write_json(args.out, error_result(ctx, message, args.double_buffer, args.seq_lengths_device, tb))
+        except Exception as w:  # noqa: BLE001
+            message += f" (and the error JSON could not be written: {w})"
+        print(f"unsloth_peer run: error: {message}", file=sys.stderr, flush=True)
+        return 130 if interrupted else 1
+    v = result["variants"][0]
+    if "error" in v:
+        print(f"unsloth_peer run: error: {v['error']}", file=sys.stderr, flush=True)
+        return 2
+    _log(f"{summary_line(args.out)} -> {args.out}")
+    return 0
+
+
+def _cli_export(args) -> int:
+    try:
+        export(args.out, model=args.model, num_layers=args.num_layers, tokens=args.tokens, steps=args.steps,
+               mix=args.mix, lora_rank=args.lora_rank, device=args.device)
+    except BaseException as e:  # noqa: BLE001
+        message = _one_line(f"{type(e).__name__}: {e}")
+        print(traceback.format_exc(), flush=True)
+        try:
+            _write_json(os.path.join(args.out, "export_error.json"), {"error": message, "date": _now()})
+        except Exception:  # noqa: BLE001
+            pass
+        print(f"unsloth_peer export: error: {message}", file=sys.stderr, flush=True)
+        return 130 if isinstance(e, KeyboardInterrupt) else 1
+    return 0
+
+
+def summary_line(path: str) -> str:
+    """One line for a result JSON (the stage's summary): step median [p20-p80], phases, syncs, peak; or its error."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        v = doc["variants"][0]
+    except Exception as e:  # noqa: BLE001
+        return f"{os.path.basename(path)}: ERROR: no readable result ({_one_line(e, 200)})"
+    if "error" in v:
+        return f"{v.get('name', '?')}: ERROR: {_one_line(v['error'], 400)}"
+    st = v["step_ms"]
+    peak = v.get("peak_mem_bytes") or 0
+    return (f"{v['name']}: step {st['median']:.1f} ms [{st['p20']:.1f}-{st['p80']:.1f}] n={st['n']}, fwd "
+            f"{v['forward_ms']['median']:.1f}, bwd {v['backward_ms']['median']:.1f}, opt "
+            f"{v['optimizer_ms']['median']:.1f} ms, {v.get('tokens_per_s')} tok/s, syncs {v.get('host_syncs_per_step')}"
+            f", peak {peak / 2**30:.2f} GiB, loss {v.get('loss_median')}, double buffer effective "
+            f"{v.get('double_buffer_effective')}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    ex = sub.add_parser("export", help="our environment: weights, tokenizer, batches and meta.json into --out")
+    ex.add_argument("--out", required=True)
+    ex.add_argument("--model", default="qwen3-14b")
+    ex.add_argument("--num-layers", type=int, default=8)
+    ex.add_argument("--tokens", type=int, default=8192)
+    ex.add_argument("--steps", type=int, default=6, help="packed batches to export")
+    ex.add_argument("--mix", default="realistic")
+    ex.add_argument("--lora-rank", type=int, default=16)
+    ex.add_argument("--device", default=None, help="where the random weights are built (default cuda if any)")
+    rn = sub.add_parser("run", help="Unsloth's environment: measure the export in --dir, write --out")
+    rn.add_argument("--dir", required=True)
+    rn.add_argument("--out", required=True)
+    rn.add_argument("--double-buffer", choices=("on", "off"), default="on")
+    rn.add_argument("--warmup", type=int, default=2)
+    rn.add_argument("--steps", type=int, default=None, help="measured steps (default: one per exported batch)")
+    rn.add_argument("--seq-lengths-device", choices=("cpu", "cuda"), default="cpu",
+                    help="where packed_seq_lengths lives: the collator's host tensor, or moved as HF Trainer does")
+    rn.add_argument("--allow-cpu", action="store_true", help="development only: Unsloth's CPU backend")
+    er = sub.add_parser("error-json", help="write an error result (for the stage script when a run left none)")
+    er.add_argument("--out", required=True)
+    er.add_argument("--message", required=True)
+    er.add_argument("--double-buffer", choices=("on", "off"), default="on")
+    er.add_argument("--stage", default="stage script")
+    sm = sub.add_parser("summary", help="one line per result JSON")
+    sm.add_argument("paths", nargs="+")
+    args = parser.parse_args(argv)
+    if args.cmd == "export":
+        return _cli_export(args)
+    if args.cmd == "run":
+        return _cli_run(args)
+    if args.cmd == "error-json":
+        _write_json(args.out, error_result({"stage": args.stage}, _one_line(args.message), args.double_buffer,
+                                           "cpu", None))
+        return 0
+    lines = [summary_line(path) for path in args.paths]
+    print("\n".join(lines), flush=True)
+    return 1 if any(": ERROR: " in line for line in lines) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

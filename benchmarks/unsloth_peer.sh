@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# The Unsloth peer, as one stage of benchmarks/gpu_session.sh (run from the repo root, .whl-unsloth present, our
+# site folder on PYTHONPATH):
+#
+#   bash benchmarks/unsloth_peer.sh RESULTS_DIR
+#
+# 1. installs .whl-unsloth into its own site folder ($UNSLOTH_SITE, default /tmp/site-unsloth);
+# 2. exports the shared inputs in OUR environment (benchmarks/unsloth_peer.py export -> $UNSLOTH_PEER_EXPORT_DIR);
+# 3. runs benchmarks/unsloth_peer.py run in the UNSLOTH environment (PYTHONPATH=$UNSLOTH_SITE:$PWD, never our
+#    site folder), once with the double buffer on and once off, each in its own process under its own timeout;
+#    a failing run does not stop the other; each writes
+#    RESULTS_DIR/unsloth-<model>-L<layers>-<tokens>-db{on,off}.json (an error result if it failed, timed out or was
+#    never started) and its log beside it;
+# 4. prints one summary line per run. Exit status 0 only if both runs produced measurements.
+#
+# Time: the whole stage keeps within UNSLOTH_PEER_BUDGET seconds (default 560: set it a little below the stage's
+# limit). The export gets at most UNSLOTH_PEER_EXPORT_TIMEOUT (default 240) s; the first run 3/5 of what is left
+# (it pays the cold compile caches), the second run all that remains. Other settings: UNSLOTH_PEER_MODEL
+# (qwen3-14b), UNSLOTH_PEER_LAYERS (8), UNSLOTH_PEER_TOKENS (8192), UNSLOTH_PEER_STEPS (6 batches = measured steps),
+# UNSLOTH_PEER_WARMUP (2),
+# UNSLOTH_PEER_MIX (realistic), UNSLOTH_PEER_RANK (16), UNSLOTH_PEER_REUSE=1 (keep a complete earlier export),
+# UNSLOTH_PEER_KEEP=1 (keep the exported weights afterwards; default: deleted, they are ~8 GB), UNSLOTH_WHEELS
+# (.whl-unsloth), UNSLOTH_PEER_RUN_ARGS (extra `run` flags, e.g. --seq-lengths-device cuda), PYTHON (python3).
+set -uo pipefail
+
+R=${1:?usage: bash benchmarks/unsloth_peer.sh RESULTS_DIR}
+mkdir -p "$R"
+PY=${PYTHON:-python3}
+SCRIPT=benchmarks/unsloth_peer.py
+SITE=${UNSLOTH_SITE:-/tmp/site-unsloth}
+WHEELS=${UNSLOTH_WHEELS:-.whl-unsloth}
+EXPORT_DIR=${UNSLOTH_PEER_EXPORT_DIR:-/tmp/unsloth-peer}
+MODEL=${UNSLOTH_PEER_MODEL:-qwen3-14b}
+LAYERS=${UNSLOTH_PEER_LAYERS:-8}
+TOKENS=${UNSLOTH_PEER_TOKENS:-8192}
+STEPS=${UNSLOTH_PEER_STEPS:-6}
+WARMUP=${UNSLOTH_PEER_WARMUP:-2}
+MIX=${UNSLOTH_PEER_MIX:-realistic}
+RANK=${UNSLOTH_PEER_RANK:-16}
+BUDGET=${UNSLOTH_PEER_BUDGET:-560}
+EXPORT_MAX=${UNSLOTH_PEER_EXPORT_TIMEOUT:-240}
+STEM="unsloth-${MODEL}-L${LAYERS}-${TOKENS}"
+OUR_PYTHONPATH=${PYTHONPATH:-$PWD}
+START=$SECONDS
+INTERRUPTED=0
+trap 'INTERRUPTED=1; echo "[unsloth_peer.sh] interrupted: no further runs start" >&2' INT TERM
+
+log() { echo "[unsloth_peer.sh $(date -u +%H:%M:%S) +$((SECONDS - START))s] $*"; }
+left() { echo $((BUDGET - (SECONDS - START))); }
+out_of() { echo "$R/$STEM-db$1.json"; }
+
+# An error result for run $1 (on|off) with message $2, written with Unsloth's site folder first on the path so the
+# env block names its versions (the command imports nothing of it).
+fail_run() {
+  local db=$1 msg=$2 out E="stage script: writing the error result failed"
+  out=$(out_of "$db")
+  PYTHONPATH="$SITE:$PWD" "$PY" "$SCRIPT" error-json --out "$out" --double-buffer "$db" --message "$msg" \
+    || printf '{"scenario": "peer-unsloth", "env": {}, "config": {}, "error": "%s",
+  "variants": [{"name": "unsloth (double buffer %s)", "error": "%s"}]}\n' "$E" "$db" "$E" > "$out"
+}
+
+last_line() { [ -f "$1" ] && grep -v '^\s*$' "$1" | tail -1 | cut -c1-300 | tr -d '"\\' || echo "(no log)"; }
+
+finish() {
+  local status=0 db
+  log "summary ($STEM, $((SECONDS - START)) s):"
+  for db in on off; do
+    PYTHONPATH="$SITE:$PWD" "$PY" "$SCRIPT" summary "$(out_of "$db")" || status=1
+  done
+  if [ "${UNSLOTH_PEER_KEEP:-0}" != "1" ]; then
+    rm -f "$EXPORT_DIR"/*.safetensors
+  fi
+  [ "$INTERRUPTED" = 1 ] && exit 130
+  exit $status
+}
+
+log "Unsloth peer: $MODEL, $LAYERS layers, $TOKENS tokens, $STEPS steps (+$WARMUP warmup), budget ${BUDGET}s -> $R"
+rm -f "$(out_of on)" "$(out_of off)"
+
+# 1. Unsloth's own site folder
+if ! ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+  for db in on off; do fail_run "$db" "stage script: no $WHEELS/*.whl in $PWD (the Unsloth wheels must travel)"; done
+  finish
+fi
+log "installing $WHEELS into $SITE"
+if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      "$WHEELS"/*.whl > "$R/unsloth-install.log" 2>&1; then
+  msg="stage script: pip install of $WHEELS into $SITE failed: $(last_line "$R/unsloth-install.log")"
+  for db in on off; do fail_run "$db" "$msg"; done
+  finish
+fi
+
+# 2. the export, in our environment
+if [ "${UNSLOTH_PEER_REUSE:-0}" = "1" ] && [ -f "$EXPORT_DIR/meta.json" ] \
+   && ls "$EXPORT_DIR"/*.safetensors > /dev/null 2>&1; then
+  log "reusing the export in $EXPORT_DIR"
+else
+  t=$EXPORT_MAX; [ "$(($(left) - 240))" -lt "$t" ] && t=$(($(left) - 240)); [ "$t" -lt 60 ] && t=60
+  log "export (our environment, timeout ${t}s) -> $EXPORT_DIR, log $R/unsloth-export.log"
+  PYTHONPATH="$OUR_PYTHONPATH" PYTHONUNBUFFERED=1 timeout --foreground -s INT -k 20 "$t" \
+    "$PY" "$SCRIPT" export --out "$EXPORT_DIR" --model "$MODEL" --num-layers "$LAYERS" --tokens "$TOKENS" \
+    --steps "$STEPS" --mix "$MIX" --lora-rank "$RANK" > "$R/unsloth-export.log" 2>&1
+  rc=$?
+  if [ "$rc" != 0 ] || [ ! -f "$EXPORT_DIR/meta.json" ]; then
+    why=$(last_line "$R/unsloth-export.log")
+    [ "$rc" = 124 ] && why="timed out after ${t}s; $why"
+    for db in on off; do fail_run "$db" "stage script: export failed (exit $rc): $why"; done
+    finish
+  fi
+fi
+cp "$EXPORT_DIR/meta.json" "$R/unsloth-export-meta.json" 2>/dev/null
+
+# 3. one Unsloth process per double-buffer setting
+runs_left=2
+for db in on off; do
+  out=$(out_of "$db")
+  logf="$R/$STEM-db$db.log"
+  if [ "$INTERRUPTED" = 1 ]; then
+    fail_run "$db" "stage script: not run: the stage was interrupted before this run started"
+    runs_left=$((runs_left - 1)); continue
+  fi
+  # the first run pays the cold compile caches: 3/5 of what is left; the last run everything that is left
+  if [ "$runs_left" = 2 ]; then t=$(( ($(left) - 10) * 3 / 5 )); else t=$(( $(left) - 10 )); fi
+  if [ "$t" -lt 60 ]; then
+    fail_run "$db" "stage script: not run: only $(left)s of the ${BUDGET}s stage budget left"
+    runs_left=$((runs_left - 1)); continue
+  fi
+  log "run: double buffer $db (Unsloth environment, timeout ${t}s), log $logf"
+  env -u PYTHONPATH PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+    HF_DATASETS_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1 UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_compiled_cache \
+    TOKENIZERS_PARALLELISM=false UNSLOTH_PEER_TIMEOUT_S="$t" \
+    timeout --foreground -s INT -k 30 "$t" "$PY" "$SCRIPT" run --dir "$EXPORT_DIR" --out "$out" \
+    --double-buffer "$db" --warmup "$WARMUP" ${UNSLOTH_PEER_RUN_ARGS:-} > "$logf" 2>&1
+  rc=$?
+  if ! grep -q '"scenario"' "$out" 2>/dev/null; then
+    why=$(last_line "$logf")
+    case "$rc" in
+      124) why="timed out after ${t}s and left no result; $why" ;;
+      137) why="killed after the ${t}s timeout (no result); $why" ;;
+      *) why="exited $rc without a result; $why" ;;
+    esac
+    fail_run "$db" "stage script: run (double buffer $db) $why"
+  fi
+  log "run: double buffer $db exit $rc"
+  runs_left=$((runs_left - 1))
+done
+
+finish
