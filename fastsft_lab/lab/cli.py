@@ -113,7 +113,15 @@ def _default_out(device: torch.device) -> str:
     return os.path.join("runs", f"bench-{device.type}-{stamp}")
 
 
+def _quiet_optional_notices() -> None:
+    """bitsandbytes' CPU build announces an optional kernel package it does not find, at import: not our news."""
+    import logging
+
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+
 def run_bench(args) -> int:
+    _quiet_optional_notices()
     from ..env import default_device, describe, smoke_mode
 
     if args.device not in (None, "cpu", "cuda") and not str(args.device).startswith("cuda:"):

@@ -86,7 +86,7 @@ def plot_result(result: dict, phases: Sequence[str] = ("forward", "step"), title
     return fig
 
 
-WATERFALL = ("transformers default", "packed (cached varlen)", "+ sync_free experts", "all fast")
+WATERFALL = ("transformers default", "packed (cached metadata)", "+ sync_free experts", "all fast")
 
 
 def plot_waterfall(result: dict):

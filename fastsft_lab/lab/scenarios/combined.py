@@ -11,7 +11,7 @@ gradient checkpointing. Variants, interleaved step by step on the same batches:
   ``SFTConfig(activation_offloading=True)`` runs). TRL's padding-free collator gives the same inputs as the default
   path here (packed ``position_ids``, no mask): its cost is the same step.
 * ``all naive``: per-layer metadata (varlen), offload with one buffer, the eager-loop experts (MoE).
-* the waterfall ``packed (cached varlen)`` -> ``+ sync_free experts`` (MoE) -> ``all fast`` (+ offload x2 + prefetch);
+* the waterfall ``packed (cached metadata)`` -> ``+ sync_free experts`` (MoE) -> ``all fast`` (+ offload x2 + prefetch);
 * the ablation: ``all fast`` with one optimization back to its naive form at a time.
 
 ``kernels=liger`` builds the model again with the fast-kernel floor the published fixes assume -- Liger-Kernel's
@@ -120,10 +120,10 @@ def combined_variants(model: nn.Module, *, is_moe: bool, packed: str = "varlen",
     default = v("transformers default", "stock transformers 5.17: its attention (Qwen3 sdpa; GPT-OSS eager, where "
                 "packed sequences attend to each other), grouped_mm experts, its gradient checkpointing; packed "
                 "position_ids, no mask", stock_inputs)
-    naive = v("all naive", "metadata rebuilt in every layer (varlen, transformers' flash-path derivation), offload "
-              "with one staging buffer, the eager per-expert loop", stock_inputs, packed=packed, cache=False,
+    naive = v("all naive", f"metadata rebuilt in every layer ({packed}: the per-layer derivation that path's code "
+              "runs), offload with one staging buffer, the eager per-expert loop", stock_inputs, packed=packed, cache=False,
               moe=moe_naive, offload=1)
-    fast = v("all fast", "PackedMetadata once per batch (cached varlen), offload x2 + prefetch, sync-free grouped "
+    fast = v("all fast", f"PackedMetadata once per batch ({packed}), offload x2 + prefetch, sync-free grouped "
              "experts: 0 host syncs", meta_inputs, packed=packed, moe=moe_fast, offload=2)
     if which == "core":
         return [default, naive, fast]
@@ -142,8 +142,8 @@ def combined_variants(model: nn.Module, *, is_moe: bool, packed: str = "varlen",
                      "(SFTConfig(activation_offloading=True)): saved activations to pinned CPU memory on a side "
                      "stream", stock_inputs, context=trl_ctx))
     out.append(naive)
-    out.append(v("packed (cached varlen)", "waterfall step 1: packed attention, metadata once per batch; stock "
-                 "experts, standard checkpointing", meta_inputs, packed=packed))
+    out.append(v("packed (cached metadata)", f"waterfall step 1: packed attention ({packed}), metadata once per "
+                 "batch; stock experts, standard checkpointing", meta_inputs, packed=packed))
     if is_moe:
         out.append(v("+ sync_free experts", "waterfall step 2: + the sync-free grouped experts (all fast without "
                      "offload)", meta_inputs, packed=packed, moe=moe_fast))

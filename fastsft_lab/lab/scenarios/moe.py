@@ -398,8 +398,7 @@ def _bench(plan: _Plan) -> list[dict]:
             fig = plot_result(result, phases=("forward",) if mode == "forward" else ("forward", "backward", "step"))
             if fig is not None:
                 save_figure(fig, os.path.join(plan.out_dir, stem + ".png"))
-            if plan.progress:
-                print(f"\n  {label}\n" + format_table(result))
+            print(f"\n  {label}\n" + format_table(result))
             results.append(result)
         if plan.micro:
             results.append(_micro_result(model, preset.name, tokens, plan, num_layers=info.num_layers))
@@ -440,8 +439,7 @@ def _micro_result(model: nn.Module, preset_name: str, tokens: int, plan: _Plan, 
                       title=f"one MoE layer's experts: {preset_name}, {tokens} tokens (step = forward + backward)")
     if fig is not None:
         save_figure(fig, os.path.join(plan.out_dir, stem + ".png"))
-    if plan.progress:
-        print(f"\n  experts alone: {preset_name} {tokens} tok\n" + format_table(result))
+    print(f"\n  experts alone: {preset_name} {tokens} tok\n" + format_table(result))
     return result
 
 
