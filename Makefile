@@ -4,8 +4,8 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
-# CPU torch when there is no NVIDIA GPU; the default CUDA build otherwise.
-TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+# CPU torch when there is no NVIDIA GPU; otherwise the CUDA build tested on the GPU machine (README, Versions).
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo torch==2.11.0 || echo torch==2.13.0)
 # Same command in the README and in .ci/run.
 TEST_CMD = $(BIN)/python -m pytest tests notebooks --nbval-lax --nbval-current-env -p no:cacheprovider
 

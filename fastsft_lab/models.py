@@ -269,7 +269,14 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
         from .env import default_device
 
         return default_device()
-    return torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be cpu, cuda, cuda:N or meta, got {device!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for, but this machine has no CUDA device (torch.cuda.is_available() "
+                         "is False): use device='cpu' and a tiny preset")
+    return device
 
 
 def build_model(
@@ -328,6 +335,11 @@ def build_model(
         if num_layers is not None or config_overrides:
             config = make_config(preset, num_layers=num_layers, **(config_overrides or {}))
             kwargs["config"] = config
+        if quant == "nf4" and device.type != "cuda" and preset.real:
+            need = count_parameters(preset, num_layers=num_layers) * torch.finfo(dtype).bits // 8
+            raise ValueError(f"weights='hub' with quant='nf4' on {device.type} would load {preset.name}'s weights in "
+                             f"{str(dtype).replace('torch.', '')} whole ({need / 2**30:.0f} GiB) before quantizing: "
+                             "load on a CUDA device (quantized shard by shard), or use a tiny preset on a CPU")
         if quant == "nf4" and device.type == "cuda":
             # The standard QLoRA load: transformers quantizes shard by shard, the bf16 model never exists whole.
             from transformers import BitsAndBytesConfig

@@ -136,3 +136,17 @@ def test_every_preset_builds_on_meta():
     for name in PRESETS:
         model = build_model(name, device="meta", num_layers=1)
         assert model.config.num_hidden_layers == 1
+
+
+def test_hub_nf4_on_a_cpu_is_refused_before_loading_anything():
+    with pytest.raises(ValueError, match=r"qwen3-14b's weights in bfloat16 whole \(\d+ GiB\)"):
+        build_model("qwen3-14b", weights="hub", quant="nf4", device="cpu", hub_path="/nonexistent")
+
+
+def test_build_model_on_a_missing_cuda_says_so():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match="no CUDA device"):
+        build_model("tiny-qwen3", device="cuda")

@@ -1,0 +1,62 @@
+"""The README tells the truth: its results tables are what the committed JSON gives, its Python runs as written."""
+
+import pathlib
+import re
+
+import pytest
+
+from fastsft_lab.lab import report
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+# What the CI machine cannot do as written (no hub, no GPU, seconds not minutes): the only changes made to the
+# README's code before it runs here.
+SUBSTITUTIONS = [
+    ('"qwen3-14b"', '"tiny-qwen3"'),
+    ('AutoTokenizer.from_pretrained("Qwen/Qwen3-14B")', "_tiny_tokenizer()"),
+    ("tokens_per_step=4096", "tokens_per_step=512"),
+    ("max_tokens=4096", "max_tokens=256"),
+    ("report_to=[],", "report_to=[], use_cpu=True, bf16=False,"),
+]
+
+
+def _tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t3"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t3")
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+
+
+def test_results_tables_equal_what_the_committed_results_give():
+    text = README.read_text()
+    assert text.count("<!-- results:") == len(report.TABLES)
+    assert report.render(text) == text, "regenerate with: python -m fastsft_lab results --readme"
+
+
+def test_the_readme_has_its_code():
+    assert len(python_blocks()) == 2
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["training-script", "trl-recipe"])
+def test_readme_python_runs_on_a_tiny_preset(index, tmp_path, monkeypatch, one_cpu_thread):
+    code = python_blocks()[index]
+    for old, new in SUBSTITUTIONS:
+        code = code.replace(old, new)
+    assert "qwen3-14b" not in code
+    monkeypatch.chdir(tmp_path)
+    namespace = {"_tiny_tokenizer": _tiny_tokenizer, "__name__": "readme"}
+    exec(compile(code, f"README.md block {index}", "exec"), namespace)
+    import fastsft_lab
+
+    if index == 0:
+        assert namespace["state"].packed == "varlen" and namespace["state"].fused_loss
+        assert namespace["text"].shape[1] == 16 + 8
+        assert fastsft_lab.state(namespace["model"]) == fastsft_lab.ModelState(checkpointing="standard")
+    else:
+        assert namespace["trainer"].state.global_step == 4
