@@ -8,8 +8,8 @@
 #   check             every scenario in smoke mode on the GPU (shakes out CUDA-only bugs in seconds)
 #   bench-NAME        `python -m fastsft_lab bench --full --only NAME` (packed, offload, moe, combined);
 #                     extra flags from $BENCH_NAME (e.g. BENCH_moe="--set moe.tokens=8192")
-#   notebooks         execute every notebook with SMOKE=0 (inline charts) into place
-#   soak              benchmarks/soak.py (long all-fast run: memory slopes, forced OOM fallback)
+#   notebooks         execute the notebooks ($NOTEBOOKS, default all) with SMOKE=0 into place
+#   soak              benchmarks/soak.py (long all-fast run: memory slopes, forced OOM fallback, loss curves)
 #   unsloth           benchmarks/unsloth_peer.py in its own site folder (.whl-unsloth)
 #
 # RUN names the results folder (default h200-<UTC date>). Everything comes back as one tarball, $OUT/session.tgz
@@ -20,8 +20,9 @@ RUN=${RUN:-h200-$(date -u +%Y-%m-%d)}
 R=benchmarks/results/$RUN
 mkdir -p "$R/logs"
 if [ -d .whl ]; then
+  # our wheels (bitsandbytes, trl, datasets, liger-kernel) and, for the notebooks stage, a Jupyter kernel (.nbwhl)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 3
+    $( [ -d .nbwhl ] && ls .nbwhl/*.whl ) || exit 3
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
@@ -47,9 +48,10 @@ run_stage() {
       MPLBACKEND=Agg FASTSFT_TRACEBACK=1 timeout -s INT "$limit" python3 -m fastsft_lab bench --full --only "$name" \
         --out "$R/bench-$name" --quiet ${!var:-} > "$log" 2>&1 ;;
     notebooks)
-      SMOKE=0 timeout "$limit" python3 benchmarks/run_notebooks.py notebooks/0*.ipynb > "$log" 2>&1 ;;
+      SMOKE=0 MPLBACKEND=Agg timeout "$limit" python3 benchmarks/run_notebooks.py ${NOTEBOOKS:-notebooks/0*.ipynb} \
+        > "$log" 2>&1 ;;
     soak)
-      timeout -s INT "$limit" python3 benchmarks/soak.py --out "$R/soak" > "$log" 2>&1 ;;
+      timeout -s INT "$limit" python3 benchmarks/soak.py --out "$R/soak" ${SOAK_ARGS:-} > "$log" 2>&1 ;;
     unsloth)
       timeout -s INT "$limit" bash benchmarks/unsloth_peer.sh "$R/unsloth" > "$log" 2>&1 ;;
     *)
