@@ -167,7 +167,7 @@ def fallback(run: Run, steps: int) -> dict:
         cap = peak + staging // 2
         out.update(peak_reserved_x1=peak, staging_bytes=staging, cap_bytes=cap)
         torch.cuda.empty_cache()
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), run.device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), torch.cuda.current_device())
     import warnings
 
     try:
@@ -186,7 +186,7 @@ def fallback(run: Run, steps: int) -> dict:
         two = []
     finally:
         if run.device.type == "cuda":
-            torch.cuda.set_per_process_memory_fraction(1.0, run.device)
+            torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
     out["warnings"] = [str(w.message)[:200] for w in caught if "offloaded" in str(w.message)]
     out["losses_fallback"] = two
     if two:

@@ -179,6 +179,7 @@ class SyncCounter:
         self.by_kind: Counter = Counter()
         self.by_module: Counter = Counter()
         self.cuda_reported: int | None = None
+        self.cuda_messages: list[str] = []      # where CUDA saw each sync (file:line of the Python frame)
         self._stack: list[str] = []
         self._hooks: list = []
         self._mode: SyncCountingMode | None = None
@@ -260,7 +261,9 @@ class SyncCounter:
         if self.cross_check:
             torch.cuda.set_sync_debug_mode(self._prev_debug_mode)
             self._warn_ctx.__exit__(*exc)
-            self.cuda_reported = sum(1 for w in self._warn_log if "synchronizing" in str(w.message))
+            synced = [w for w in self._warn_log if "synchroniz" in str(w.message)]
+            self.cuda_reported = len(synced)
+            self.cuda_messages = [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:160]}" for w in synced]
         self._mode.__exit__(*exc)
         _ACTIVE.remove(self)
         if not _ACTIVE:

@@ -91,7 +91,7 @@ def test_cuda_fused_loss_matches_in_bf16_and_syncs_nothing():
     with SyncCounter(device="cuda", cross_check=True) as c:
         got = L.linear_cross_entropy(hidden, weight, labels)
         (got_g,) = torch.autograd.grad(got, hidden)
-    assert c.total == 0 and (c.cuda_reported or 0) == 0
+    assert c.total == 0 and (c.cuda_reported or 0) == 0, c.cuda_messages
     torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(got_g.float(), ref_g.float(), rtol=2e-2, atol=1e-5)
 

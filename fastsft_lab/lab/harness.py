@@ -207,7 +207,7 @@ def count_step_syncs(model: nn.Module, batch: PackedBatch, variant: Variant, *, 
     variant.enable(model)
     try:
         state = variant.prepare(batch) if variant.prepare else None
-        counter = SyncCounter.for_decoder_layers(model, device=device)
+        counter = SyncCounter.for_decoder_layers(model, device=device, cross_check=device.type == "cuda")
         ctx = variant.context(model) if variant.context is not None else contextlib.nullcontext()
         with counter, ctx:
             if mode == "train":
@@ -217,6 +217,10 @@ def count_step_syncs(model: nn.Module, batch: PackedBatch, variant: Variant, *, 
                     _forward_loss(model, variant.inputs(batch, state))
         out = {"host_syncs_per_step": counter.total, "host_syncs_in_layers": counter.in_modules,
                "host_syncs_by_kind": dict(counter.by_kind)}
+        if counter.cuda_reported is not None:
+            # CUDA's own count (torch.cuda.set_sync_debug_mode) of the same forward + backward, and where
+            out["cuda_reported_syncs"] = counter.cuda_reported
+            out["cuda_sync_sites"] = sorted(set(counter.cuda_messages))[:8]
         if mode == "train":
             opt_counter = SyncCounter(device=device)
             with opt_counter:

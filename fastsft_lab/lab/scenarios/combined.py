@@ -178,7 +178,8 @@ def apply_liger(model: nn.Module, family: str) -> dict:
         raise ValueError(f"no Liger recipe for family {family!r}")
     enable_fused_loss(model)
     return {"liger_kernel": getattr(liger_kernel, "__version__", "unknown"),
-            "kernels": "liger rms_norm + rope" + (" + swiglu" if family == "qwen3" else "") + " + fastsft fused loss"}
+            "kernels_detail": "liger rms_norm + rope" + (" + swiglu" if family == "qwen3" else "") +
+            " + fastsft fused loss"}
 
 
 # --- the scenario ---------------------------------------------------------------------------------------------------
@@ -243,7 +244,7 @@ class CombinedScenario(Scenario):
                 for p in model.parameters():   # LoRA B starts at zero; give the adapters a real gradient path
                     if p.requires_grad and p.dim() == 2 and not p.any():
                         nn.init.normal_(p, std=0.01)
-                extra = apply_liger(model, preset.family) if kernels == "liger" else {"kernels": "none"}
+                extra = {"kernels": kernels, **(apply_liger(model, preset.family) if kernels == "liger" else {})}
                 for tokens in opts.tokens:
                     results.append(self._config(model, preset, opts, tokens, kernels, extra, device, out_dir,
                                                 progress))
