@@ -153,6 +153,15 @@ class SyncReport:
     cuda_reported: int | None = None
 
 
+def cuda_sync_warnings(records: list) -> list:
+    """The warnings in ``records`` that are syncs CUDA's sync debug mode reported.
+
+    A sync reads "called a synchronizing CUDA operation"; the one-time notice that the debug mode
+    is a prototype also says "Synchronization" and is not a sync.
+    """
+    return [w for w in records if "called a synchronizing CUDA operation" in str(w.message)]
+
+
 class SyncCounter:
     """Count host syncs inside a ``with`` block, optionally per module.
 
@@ -261,7 +270,7 @@ class SyncCounter:
         if self.cross_check:
             torch.cuda.set_sync_debug_mode(self._prev_debug_mode)
             self._warn_ctx.__exit__(*exc)
-            synced = [w for w in self._warn_log if "synchroniz" in str(w.message)]
+            synced = cuda_sync_warnings(self._warn_log)
             self.cuda_reported = len(synced)
             self.cuda_messages = [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:160]}" for w in synced]
         self._mode.__exit__(*exc)

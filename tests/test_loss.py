@@ -98,30 +98,38 @@ def test_cuda_fused_loss_matches_in_bf16_and_syncs_nothing():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-gpt-oss"])
-def test_cuda_liger_floor_matches_the_unfused_model(preset):
+def test_cuda_liger_floor_is_as_close_to_fp32_as_the_unfused_bf16_model(preset):
+    """Liger's kernels round differently from the unfused bf16 model, so the two are not compared
+    with each other: both are compared with an fp32 copy of the same weights, and Liger's error
+    must stay within the unfused model's own bf16 rounding error (twice it, plus 1%)."""
     pytest.importorskip("liger_kernel")
+    import copy
+
     from fastsft_lab.lab.scenarios.combined import apply_liger
 
-    def build():
-        m = build_model(preset, device="cuda", dtype=torch.bfloat16, lora=LoraSettings(rank=4), seed=0)
-        for n, p in m.named_parameters():
-            if "lora_B" in n:
-                torch.nn.init.normal_(p, std=0.05, generator=torch.Generator(device="cuda").manual_seed(1))
-        return m
+    base = build_model(preset, device="cuda", dtype=torch.bfloat16, lora=LoraSettings(rank=4), seed=0)
+    for n, p in base.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05, generator=torch.Generator(device="cuda").manual_seed(1))
+    fp32 = copy.deepcopy(base).float()
+    liger = copy.deepcopy(base)
+    apply_liger(liger, "qwen3" if preset == "tiny-qwen3" else "gpt_oss")
 
     batch = benchmark_batches(tokens_per_step=512, row_tokens=256, steps=1, vocab_size=256, mix="short")[0].to("cuda")
 
     def run(m):
         out = m(**batch.model_inputs())
         out.loss.backward()
-        return out.loss.detach(), {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}
+        return out.loss.detach().float(), {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}
 
-    ref_loss, ref_grads = run(build())
-    model = build()
-    apply_liger(model, "qwen3" if preset == "tiny-qwen3" else "gpt_oss")
-    loss, grads = run(model)
-    torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=2e-2)
-    assert grads.keys() == ref_grads.keys()
+    ref_loss, ref_grads = run(fp32)
+    bf16_loss, bf16_grads = run(base)
+    loss, grads = run(liger)
+    assert grads.keys() == bf16_grads.keys() == ref_grads.keys()
+    assert abs(loss - ref_loss) <= 2 * abs(bf16_loss - ref_loss) + 1e-2 * abs(ref_loss)
+
+    def rel(g, n):
+        return ((g[n] - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-12)).item()
+
     for n in grads:
-        scale = ref_grads[n].abs().max().item()
-        assert (grads[n] - ref_grads[n]).abs().max().item() <= 0.05 * scale + 1e-6, n
+        assert rel(grads, n) <= 2 * rel(bf16_grads, n) + 1e-2, (n, rel(grads, n), rel(bf16_grads, n))

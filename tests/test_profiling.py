@@ -147,3 +147,17 @@ def test_profile_returns_top_ops(tmp_path):
     res = profile(lambda: torch.randn(64, 64) @ torch.randn(64, 64), trace_path=str(tmp_path / "t.json"), top=5)
     assert (tmp_path / "t.json").exists()
     assert any("mm" in op["name"] for op in res.top_ops)
+
+
+def test_cuda_cross_check_counts_syncs_not_the_prototype_notice():
+    import warnings
+    from fastsft_lab.profiling import cuda_sync_warnings
+
+    def record(text):
+        return warnings.WarningMessage(UserWarning(text), UserWarning, "f.py", 1)
+
+    notice = record("Synchronization debug mode is a prototype feature and does not yet detect all "
+                    "synchronizing operations (Triggered internally at Module.cpp)")
+    sync = record("called a synchronizing CUDA operation (Triggered internally at CUDAFunctions.cpp:162.)")
+    other = record("some unrelated warning")
+    assert cuda_sync_warnings([notice, sync, other, sync]) == [sync, sync]

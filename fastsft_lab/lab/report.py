@@ -10,6 +10,7 @@ from __future__ import annotations
 import pathlib
 import re
 
+from ..models import PRESETS
 from . import results as R
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
@@ -18,6 +19,11 @@ README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 def _ms(v: dict | None, key: str = "step_ms") -> str:
     stat = (v or {}).get(key)
     return f"{stat['median']:.1f}" if stat else "–"
+
+
+def _spread(v: dict | None, key: str = "step_ms") -> str:
+    stat = (v or {}).get(key)
+    return f"{stat['p20']:.1f}–{stat['p80']:.1f}" if stat and "p20" in stat else "–"
 
 
 def _gib(v: dict | None) -> str:
@@ -32,17 +38,29 @@ def _source(docs: list[dict]) -> str:
             f"{', '.join(f'`benchmarks/results/{r}`' for r in runs)} ({min(d['env'].get('date', '')[:10] for d in docs)})")
 
 
+def _depth(c: dict) -> str:
+    """'all 40 layers' at the preset's full depth, else '8 of 40 layers'."""
+    preset = PRESETS.get(c["model"])
+    full = preset.config.get("num_hidden_layers") if preset else None
+    if full is None or full == c["num_layers"]:
+        return f"all {c['num_layers']} layers"
+    return f"{c['num_layers']} of {full} layers"
+
+
 def combined_table() -> str:
     docs = R.load_results("combined", newest_run=True)
     if not docs:
         return "_No committed GPU run of the combined scenario yet (`python -m fastsft_lab bench --only combined`)._"
     out = []
-    for d in sorted(docs, key=lambda d: (d["config"]["model"], d["config"]["tokens_per_step"], d["config"]["kernels"])):
+    order = {"none": 0, "liger": 1}
+    for d in sorted(docs, key=lambda d: (d["config"]["model"], -d["config"]["num_layers"], d["config"]["tokens_per_step"],
+                                         order.get(d["config"]["kernels"], 2))):
         c = d["config"]
         rows = [v for v in d["variants"]]
         base = next((v for v in rows if v["name"] == "transformers default" and "step_ms" in v), None)
-        out.append(f"**{c['model']}, all {c['num_layers']} layers, {c['tokens_per_step']} tokens/step, kernels: "
-                   f"{c['kernels']}** ({c.get('quant')}, LoRA r{c.get('lora_rank')})\n")
+        quant = "bf16 weights" if c.get("quant") in (None, "none") else f"{c['quant'].upper()} weights"
+        out.append(f"**{c['model']}, {_depth(c)}, {c['tokens_per_step']} tokens/step, kernels: "
+                   f"{c['kernels']}** ({quant}, LoRA r{c.get('lora_rank')})\n")
         out.append("| variant | step ms | vs default | tokens/s | MFU | host syncs/step | peak GiB |")
         out.append("|---|---|---|---|---|---|---|")
         for v in rows:
@@ -56,6 +74,15 @@ def combined_table() -> str:
         derived = d.get("derived", {})
         if derived:
             out.append("\n" + "; ".join(f"{k.replace('_', ' ')}: {v:.3f}" for k, v in derived.items()))
+        out.append("")
+    notes: dict[str, str] = {}
+    for d in docs:
+        for v in d["variants"]:
+            if v.get("note"):
+                notes.setdefault(v["name"], v["note"])
+    if notes:
+        out.append("What each row runs:\n")
+        out.extend(f"- **{name}**: {note}" for name, note in notes.items())
         out.append("")
     out.append(f"Source: {_source(docs)}.")
     return "\n".join(out)
@@ -199,6 +226,13 @@ def soak_table() -> str:
     for d in fb:
         if "error" in d:
             out.append(f"\n**Forced OOM fallback**: {d['error']}")
+        elif not d.get("fallbacks"):
+            out.append(f"\n**Forced OOM fallback: not triggered.** Under a {d.get('cap_bytes', 0) / 2**30:.2f} GiB cap the "
+                       f"second buffer still fit (fallbacks 0, {d.get('active_buffers_after')} buffers after), so this "
+                       f"run does not exercise the fallback; the tests do (an injected OOM on the second buffer, on "
+                       f"CPU and CUDA). Max |loss difference| between this run (two buffers) and one buffer over "
+                       f"{d['steps']} steps: {d.get('max_abs_loss_diff', float('nan')):.2e}, inside the loss-curve "
+                       f"noise floor below.")
         else:
             out.append(f"\n**Forced OOM fallback** (memory capped {d.get('cap_bytes', 0) / 2**30:.1f} GiB): "
                        f"fallbacks {d.get('fallbacks')}, buffers after {d.get('active_buffers_after')}, max |loss "
@@ -216,13 +250,13 @@ def peer_table() -> str:
     docs = R.load_results("peer-unsloth", newest_run=True)
     if not docs:
         return "_No committed Unsloth run yet (`benchmarks/unsloth_peer.sh`)._"
-    out = ["| system | step ms | peak GiB | host syncs/step |", "|---|---|---|---|"]
+    out = ["| system | step ms | p20–p80 ms | peak GiB | host syncs/step |", "|---|---|---|---|---|"]
     for d in docs:
         for v in d["variants"]:
             if "step_ms" in v:
-                out.append(f"| {v['name']} | {_ms(v)} | {_gib(v)} | {v.get('host_syncs_per_step', '–')} |")
+                out.append(f"| {v['name']} | {_ms(v)} | {_spread(v)} | {_gib(v)} | {v.get('host_syncs_per_step', '–')} |")
             else:
-                out.append(f"| {v['name']} | {v.get('error', '–')[:100]} | | |")
+                out.append(f"| {v['name']} | {v.get('error', '–')[:100]} | | | |")
     c = docs[0]["config"]
     same = [d for d in R.load_results("combined", newest_run=True)
             if d["config"]["model"] == c.get("model") and d["config"]["num_layers"] == c.get("num_layers")
@@ -230,8 +264,25 @@ def peer_table() -> str:
     for d in same:
         for v in d["variants"]:
             if v["name"] in ("transformers default", "all naive", "all fast") and "step_ms" in v:
-                out.append(f"| fastsft_lab {v['name']} (kernels {d['config']['kernels']}) | {_ms(v)} | {_gib(v)} | "
+                out.append(f"| fastsft_lab {v['name']} (kernels {d['config']['kernels']}) | {_ms(v)} | {_spread(v)} | {_gib(v)} | "
                            f"{v.get('host_syncs_per_step', '–')} |")
+    peer = {v["name"]: v for d in docs for v in d["variants"] if "step_ms" in v}
+    best_peer = min(peer.values(), key=lambda v: v["step_ms"]["median"], default=None)
+    ours = [(d["config"]["kernels"], v) for d in same for v in d["variants"] if v["name"] == "all fast" and "step_ms" in v]
+    if best_peer and ours:
+        kernels, v = min(ours, key=lambda kv: kv[1]["step_ms"]["median"])
+        speed = best_peer["step_ms"]["median"] / v["step_ms"]["median"]
+        mem = v["peak_mem_bytes"] / best_peer["peak_mem_bytes"]
+        out.append(f"\nfastsft_lab all fast (kernels {kernels}) vs {best_peer['name']}: {speed:.2f}x the speed at "
+                   f"{mem:.2f}x the peak memory.")
+        st = best_peer["step_ms"]
+        if st.get("p20") and st["p80"] / st["p20"] > 1.5:
+            out.append(f"The ratio compares medians of {st['n']} steps; {best_peer['name']}'s steps spread "
+                       f"{st['p80'] / st['p20']:.1f}x from p20 to p80 (ours: {v['step_ms']['p80'] / v['step_ms']['p20']:.2f}x), "
+                       f"so the lead is not settled by this run.")
+            samples = best_peer.get("samples_ms", {}).get("step")
+            if samples:
+                out.append(f"Its measured steps, in order: {', '.join(f'{x:.0f}' for x in samples)} ms.")
     out.append(f"\n{c.get('model')} width, {c.get('num_layers')} layers, {c.get('tokens_per_step')} tokens per step. "
                f"Source: {_source(docs + same)}.")
     return "\n".join(out)
