@@ -173,14 +173,15 @@ peer = results.load_results("peer-unsloth", newest_run=True)
 if not peer:
     print("No committed Unsloth run yet (benchmarks/unsloth_peer.sh on the GPU machine).")
 rows = []
-for doc in peer:
+for i, doc in enumerate(peer):
     for v in doc["variants"]:
         if "step_ms" in v:
             rows.append((v["name"], v["step_ms"]["median"], v.get("peak_mem_bytes"), v.get("host_syncs_per_step")))
         else:
             print(f"{v['name']}: {v.get('error')}")
-    print(f"[{results.describe_run(doc)}; {doc['config'].get('model')} x{doc['config'].get('num_layers')}, "
-          f"{doc['config'].get('tokens_per_step')} tokens]")
+    if i == 0:
+        print(f"[{results.describe_run(doc)}; {doc['config'].get('model')} x{doc['config'].get('num_layers')}, "
+              f"{doc['config'].get('tokens_per_step')} tokens]")
 same = [d for d in combined if peer and d["config"]["num_layers"] == peer[0]["config"].get("num_layers")
         and d["config"]["model"] == peer[0]["config"].get("model")]
 for d in same:
@@ -190,6 +191,15 @@ for d in same:
                          v.get("peak_mem_bytes"), v.get("host_syncs_per_step")))
 for name, ms, peak, syncs in rows:
     print(f"  {name:44s} {ms:8.1f} ms   {peak / 2**30 if peak else float('nan'):6.1f} GiB   syncs {syncs}")
+# A median says little when the steps spread: print every measured step of each side.
+for doc in peer + same:
+    for v in doc["variants"]:
+        st = v.get("step_ms")
+        if st and st.get("p20") and st["p80"] / st["p20"] > 1.5:
+            steps = v.get("samples_ms", {}).get("step")
+            print(f"  note: {v['name']} spread {st['p80'] / st['p20']:.1f}x from p20 to p80 over {st['n']} steps"
+                  + (f" (steps, ms: {', '.join(f'{x:.0f}' for x in steps)})" if steps else "")
+                  + ": the medians above do not settle which is faster.")
 if rows:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
     names = [r[0] for r in rows]
@@ -304,10 +314,11 @@ for op in prof.top_ops:
 - Together, the three fixes remove every host sync from the step and keep the numbers (equivalence per fix in
   notebooks 01–03; loss curves here). How much time that buys depends on what else the step does: the waterfall
   shows each fix's share, the ablation what each one is worth on top of the others.
-- Against stock transformers the gain is large where stock transformers is slow (GPT-OSS's eager attention and
-  expert loop); against a careful baseline (all naive) it is the three fixes' own share; under fast kernels (the
+- Against stock transformers the gain is large where stock transformers is slow (GPT-OSS's eager attention over
+  whole packed rows); against a careful baseline (all naive) it is the three fixes' own share; under fast kernels (the
   fused loss) the glue is a larger share of the step, as the published fixes assume.
-- The peer to beat is Unsloth; the table above puts both on the same batches.
+- The peer to beat is Unsloth; the table above puts both on the same batches. It is only as good as its
+  spread: a peer still compiling in its measured steps needs a longer run before a ratio means anything.
 
 **Further reading.** `python -m fastsft_lab bench --only combined --help`; the library: `fastsft_lab.apply`,
 `fastsft_lab.loss`, `fastsft_lab.callbacks.StepStatsCallback` (for TRL's `SFTTrainer`, see the README's recipe);
