@@ -435,7 +435,8 @@ drawn on top of each other). Points whose newest run has no naive/cached ratio a
 '''),
 ("code", r'''
 regime = [p for p in results.packed_regime() if p.get("cached_forward_speedup")]
-runs = {results.run_of(d): results.describe_run(d) for d in results.load_results("packed_metadata_regime")}
+runs = {results.run_of(d): results.describe_run(d)
+        for d in results.load_results(["packed_metadata_regime", "packed_metadata"])}
 print(f"{len(regime)} points, from:")
 for run in sorted({p["_run"] for p in regime}):
     print("  ", runs[run])
