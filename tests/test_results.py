@@ -30,3 +30,17 @@ def test_regime_points_are_one_per_configuration():
     points = results.packed_regime()
     keys = [(p["model"], p.get("num_layers"), p["backend"], p["mix"], p["tokens_per_step"]) for p in points]
     assert points and len(keys) == len(set(keys))
+
+
+def test_a_widely_spread_variant_is_unsettled_and_the_peer_table_says_so():
+    from fastsft_lab.lab import report
+    from fastsft_lab.lab import results as R
+
+    steady = {"step_ms": {"median": 100.0, "p20": 99.0, "p80": 101.0, "n": 6}}
+    spread = {"step_ms": {"median": 100.0, "p20": 60.0, "p80": 200.0, "n": 6}}
+    assert not R.unsettled(steady) and R.unsettled(spread) and not R.unsettled({})
+    assert abs(R.step_spread(spread) - 200 / 60) < 1e-12
+    peers = [v for d in R.load_results("peer-unsloth", newest_run=True) for v in d["variants"] if "step_ms" in v]
+    if peers:          # the table ranks by the fastest peer's median: it must say when that median settles nothing
+        fastest = min(peers, key=lambda v: v["step_ms"]["median"])
+        assert ("not settled" in report.peer_table()) == R.unsettled(fastest)

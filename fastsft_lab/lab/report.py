@@ -275,10 +275,9 @@ def peer_table() -> str:
         mem = v["peak_mem_bytes"] / best_peer["peak_mem_bytes"]
         out.append(f"\nfastsft_lab all fast (kernels {kernels}) vs {best_peer['name']}: {speed:.2f}x the speed at "
                    f"{mem:.2f}x the peak memory.")
-        st = best_peer["step_ms"]
-        if st.get("p20") and st["p80"] / st["p20"] > 1.5:
-            out.append(f"The ratio compares medians of {st['n']} steps; {best_peer['name']}'s steps spread "
-                       f"{st['p80'] / st['p20']:.1f}x from p20 to p80 (ours: {v['step_ms']['p80'] / v['step_ms']['p20']:.2f}x), "
+        if R.unsettled(best_peer):
+            out.append(f"The ratio compares medians of {best_peer['step_ms']['n']} steps; {best_peer['name']}'s steps "
+                       f"spread {R.step_spread(best_peer):.1f}x from p20 to p80 (ours: {R.step_spread(v):.2f}x), "
                        f"so the lead is not settled by this run.")
             samples = best_peer.get("samples_ms", {}).get("step")
             if samples:

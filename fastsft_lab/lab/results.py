@@ -144,6 +144,21 @@ def offload_results(root=None, device_type: str = "cuda") -> dict:
     return out
 
 
+UNSETTLED_SPREAD = 1.5    # p80 / p20 of a variant's step times above which its median settles no comparison
+
+
+def step_spread(variant: dict) -> float | None:
+    """p80 / p20 of ``variant``'s step times (None when it has no percentiles)."""
+    st = variant.get("step_ms") or {}
+    return st["p80"] / st["p20"] if st.get("p20") else None
+
+
+def unsettled(variant: dict) -> bool:
+    """Whether ``variant``'s steps spread too widely (still compiling, say) for its median to rank it."""
+    spread = step_spread(variant)
+    return spread is not None and spread > UNSETTLED_SPREAD
+
+
 def packed_regime(root=None, device_type: str = "cuda") -> list[dict]:
     """The regime-map points of every committed packed run, one per (model, depth, backend, mix, tokens): the newest
     measurement of each point that has a cached-vs-naive speedup (a point whose naive path failed is skipped, so it
@@ -170,4 +185,5 @@ def packed_regime(root=None, device_type: str = "cuda") -> list[dict]:
 
 
 __all__ = ["all_results", "load_results", "run_of", "newest_per_config", "describe_run", "build_index",
-           "write_index", "offload_results", "packed_regime", "repo_results_dir", "INDEX"]
+           "write_index", "offload_results", "packed_regime", "step_spread", "unsettled", "UNSETTLED_SPREAD",
+           "repo_results_dir", "INDEX"]

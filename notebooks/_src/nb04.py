@@ -194,10 +194,9 @@ for name, ms, peak, syncs in rows:
 # A median says little when the steps spread: print every measured step of each side.
 for doc in peer + same:
     for v in doc["variants"]:
-        st = v.get("step_ms")
-        if st and st.get("p20") and st["p80"] / st["p20"] > 1.5:
+        if results.unsettled(v):
             steps = v.get("samples_ms", {}).get("step")
-            print(f"  note: {v['name']} spread {st['p80'] / st['p20']:.1f}x from p20 to p80 over {st['n']} steps"
+            print(f"  note: {v['name']} spread {results.step_spread(v):.1f}x from p20 to p80 over {v['step_ms']['n']} steps"
                   + (f" (steps, ms: {', '.join(f'{x:.0f}' for x in steps)})" if steps else "")
                   + ": the medians above do not settle which is faster.")
 if rows:
