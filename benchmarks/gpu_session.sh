@@ -8,6 +8,9 @@
 #   check             every scenario in smoke mode on the GPU (shakes out CUDA-only bugs in seconds)
 #   bench-NAME        `python -m fastsft_lab bench --full --only NAME` (packed, offload, moe, combined);
 #                     extra flags from $BENCH_NAME (e.g. BENCH_moe="--set moe.tokens=8192")
+#   bench-NAME@TAG    the same into bench-NAME-TAG, flags from $BENCH_NAME_TAG (a second configuration in one call)
+#   experts-profile   benchmarks/experts_profile.py (one MoE layer's experts vs the grouped matmuls, profiled);
+#                     extra flags from $EXPERTS_ARGS
 #   notebooks         execute the notebooks ($NOTEBOOKS, default all) with SMOKE=0 into place
 #   soak              benchmarks/soak.py (long all-fast run: memory slopes, forced OOM fallback, loss curves)
 #   unsloth           benchmarks/unsloth_peer.py in its own site folder (.whl-unsloth)
@@ -44,9 +47,16 @@ run_stage() {
       MPLBACKEND=Agg timeout "$limit" python3 -m fastsft_lab bench --smoke --device cuda --out "$R/check" --quiet \
         > "$log" 2>&1 ;;
     bench-*)
-      local name=${stage#bench-} var="BENCH_${stage#bench-}"
+      local spec=${stage#bench-}
+      local name=${spec%%@*} tag=${spec#*@}
+      [ "$tag" = "$spec" ] && tag=""
+      local dir="bench-$name${tag:+-$tag}" var="BENCH_${name}${tag:+_$tag}"
+      log="$R/logs/$dir.log"
       MPLBACKEND=Agg FASTSFT_TRACEBACK=1 timeout -s INT "$limit" python3 -m fastsft_lab bench --full --only "$name" \
-        --out "$R/bench-$name" --quiet ${!var:-} > "$log" 2>&1 ;;
+        --out "$R/$dir" --quiet ${!var:-} > "$log" 2>&1 ;;
+    experts-profile)
+      timeout -s INT "$limit" python3 benchmarks/experts_profile.py --out "$R/experts-profile" ${EXPERTS_ARGS:-} \
+        > "$log" 2>&1 ;;
     notebooks)
       SMOKE=0 MPLBACKEND=Agg timeout "$limit" python3 benchmarks/run_notebooks.py ${NOTEBOOKS:-notebooks/0*.ipynb} \
         > "$log" 2>&1 ;;

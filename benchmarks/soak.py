@@ -9,9 +9,9 @@ loss curves of all naive and all fast agree at real width?
   and PyTorch's caching host allocator), the CUDA memory allocated and reserved. Slopes (bytes per step, least
   squares) over the steps after the first 10% are what a leak would show. Peers leaked 5-7 GB over such runs
   (TRL #5700/#5730, Unsloth #2328).
-* fallback: the same steps with offload x1, then with x2 under a memory cap (``set_per_process_memory_fraction``)
-  just above the x1 run's peak, so that the second staging buffer cannot be allocated: the fallback must fire and
-  the losses must equal the x1 run's.
+* fallback: the same steps with offload x1, then with x2 under memory caps (``set_per_process_memory_fraction``)
+  stepped down from the x1 run's peak reserved bytes in half staging buffers, until the second staging buffer cannot
+  be allocated: the fallback must fire and the losses must equal the x1 run's.
 * curves: ``--curve-steps`` LoRA training steps of all naive and all fast from the same initial weights and batches,
   and a noise-floor run (all naive with every weight one bf16 ulp up): how far two runs drift from rounding alone.
 
@@ -152,24 +152,16 @@ def soak(run: Run, steps: int) -> dict:
             "switches": FAST, "slopes": slopes, "losses": losses, "rows": rows[::max(1, steps // 100)]}
 
 
-def fallback(run: Run, steps: int) -> dict:
-    one = run.train(dict(FAST, offload_buffers=1, prefetch=False), steps)
-    out = {"scenario": "offload_fallback", "steps": steps, "losses_x1": one}
-    if run.device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        run.train(dict(FAST, offload_buffers=1, prefetch=False), 2)
-        peak = torch.cuda.max_memory_reserved()
-        total = torch.cuda.get_device_properties(run.device).total_memory
-        hidden = run.model.config.hidden_size
-        staging = run.batches[0].num_tokens * hidden * 2          # one staging buffer: a layer input in bf16
-        cap = peak + staging // 2
-        out.update(peak_reserved_x1=peak, staging_bytes=staging, cap_bytes=cap)
-        torch.cuda.empty_cache()
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), torch.cuda.current_device())
+def _two_buffer_trial(run: Run, steps: int, cap: int | None) -> dict:
+    """All fast (offload x2) from the same start, under an allocator cap of ``cap`` bytes (None: no cap)."""
     import warnings
 
+    trial: dict = {"cap_bytes": cap}
+    if cap is not None:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(run.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), torch.cuda.current_device())
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -177,17 +169,56 @@ def fallback(run: Run, steps: int) -> dict:
             run.reset()
             fastsft_lab.apply(run.model, **_switches(run.preset, FAST))
             manager = offload_manager(run.model)
-            two = [run.step(i) for i in range(steps)]
-            out["fallbacks"] = manager.stats.fallbacks
-            out["active_buffers_after"] = manager.active_buffers
-            fastsft_lab.revert(run.model)
+            trial["losses"] = [run.step(i) for i in range(steps)]
+            trial["fallbacks"] = manager.stats.fallbacks
+            trial["active_buffers_after"] = manager.active_buffers
     except torch.cuda.OutOfMemoryError as e:
-        out["error"] = f"out of memory under the cap (the cap hit something else than the staging buffer): {e}"
-        two = []
+        trial["error"] = f"out of memory outside the staging buffer: {str(e).splitlines()[0][:200]}"
+        trial["losses"] = []
     finally:
-        if run.device.type == "cuda":
+        fastsft_lab.revert(run.model)
+        if cap is not None:
             torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
-    out["warnings"] = [str(w.message)[:200] for w in caught if "offloaded" in str(w.message)]
+            torch.cuda.empty_cache()
+    trial["warnings"] = [str(w.message)[:200] for w in caught if "offloaded" in str(w.message)]
+    return trial
+
+
+def fallback(run: Run, steps: int) -> dict:
+    """Offload x1, then all fast (x2) under allocator caps stepped down from the x1 run's peak *reserved* bytes in
+    half staging buffers, until the second buffer's allocation fails and the manager falls back to one buffer (the
+    losses must then equal the x1 run's) or an allocation outside the staging buffers fails first (the cap is then
+    below what one buffer needs: recorded, and the search stops). A cap on reserved memory alone cannot force it
+    when the pool's free blocks hold the second buffer; stepping down finds the cap where they no longer do."""
+    one = run.train(dict(FAST, offload_buffers=1, prefetch=False), steps)
+    out = {"scenario": "offload_fallback", "steps": steps, "losses_x1": one, "trials": []}
+    if run.device.type != "cuda":
+        trial = _two_buffer_trial(run, steps, None)
+        out["trials"].append(trial)
+    else:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        run.train(dict(FAST, offload_buffers=1, prefetch=False), 2)
+        peak = torch.cuda.max_memory_reserved()
+        staging = run.batches[0].num_tokens * run.model.config.hidden_size * 2   # one layer input in bf16
+        out.update(peak_reserved_x1=peak, peak_allocated_x1=torch.cuda.max_memory_allocated(), staging_bytes=staging)
+        trial = {}
+        for j in range(1, -9, -1):                                  # peak + staging/2 down to peak - 4 staging
+            trial = _two_buffer_trial(run, steps, peak + j * staging // 2)
+            trial["cap_minus_peak_reserved_x1"] = j * staging // 2
+            out["trials"].append({k: v for k, v in trial.items() if k != "losses"})
+            if trial.get("fallbacks") or "error" in trial:
+                break
+    fired = trial.get("fallbacks", 0) > 0 and "error" not in trial
+    out["fallbacks"] = trial.get("fallbacks", 0)
+    out["fired"] = fired
+    out["cap_bytes"] = trial.get("cap_bytes")
+    out["active_buffers_after"] = trial.get("active_buffers_after")
+    out["warnings"] = trial.get("warnings", [])
+    if "error" in trial:
+        out["error"] = trial["error"]
+    two = trial.get("losses", [])
     out["losses_fallback"] = two
     if two:
         out["max_abs_loss_diff"] = max(abs(a - b) for a, b in zip(one, two))
@@ -242,7 +273,8 @@ def main(argv=None) -> int:
         write_json(doc, os.path.join(args.out, f"{what}.json"))
         brief = {k: v for k, v in doc.items() if k in ("slopes", "fallbacks", "active_buffers_after",
                                                         "max_abs_loss_diff", "max_abs_diff_fast_vs_naive",
-                                                        "max_abs_diff_noise_floor", "final", "error", "seconds")}
+                                                        "max_abs_diff_noise_floor", "final", "error", "seconds", "fired",
+                                                        "cap_bytes")}
         print(f"{what} ({time.time() - t:.0f} s): {json.dumps(brief, default=str)}", flush=True)
     return 0
 

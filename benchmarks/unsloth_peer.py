@@ -487,6 +487,7 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
         import unsloth_zoo.gradient_checkpointing as gcmod
     samples = {k: [] for k in ("forward", "backward", "optimizer", "step")}
     losses, peaks, peaks_measured, first_steps, db_measured = [], [], [], [], []
+    resident, forward_peaks = [], []  # allocated before each measured step; the allocator's peak after its forward
     total = warmup + steps
     for s in range(total):
         measured = s >= warmup
@@ -495,6 +496,7 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            before = int(torch.cuda.memory_allocated())
             ev = {k: (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for k in samples}
             mark = lambda k, i: ev[k][i].record()  # noqa: E731
         else:
@@ -507,6 +509,7 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
         mark("forward", 0)
         loss = forward(feed)
         mark("forward", 1)
+        fwd_peak = int(torch.cuda.max_memory_allocated()) if cuda else None  # host-side counter: no sync
         mark("backward", 0)
         loss.backward()
         mark("backward", 1)
@@ -531,6 +534,9 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
                 samples[k].append(ms)
             losses.append(value)
             peaks_measured.append(peak)
+            if cuda:
+                resident.append(before)
+                forward_peaks.append(fwd_peak)
             if gcmod is not None:  # set at the start of this step's forward (from the second forward on)
                 db_measured.append(bool(getattr(gcmod, "USE_DOUBLE_BUFFER", False)))
         else:
@@ -579,6 +585,8 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
     variant.update({
         "peak_mem_bytes": max(p for p in peaks if p is not None) if cuda else None,
         "peak_mem_bytes_measured": max(p for p in peaks_measured if p is not None) if cuda else None,
+        "resident_mem_bytes": max(resident) if resident else None,
+        "forward_peak_mem_bytes": max(forward_peaks) if forward_peaks else None,
         "loss_median": percentiles(losses)["median"], "losses": [round(x, 5) for x in losses],
         "tokens_per_s": round(tokens / step_s, 1) if step_s > 0 else None,
         "host_syncs_per_step": syncs, "host_syncs_optimizer": syncs_opt,

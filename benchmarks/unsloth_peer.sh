@@ -18,7 +18,7 @@
 # (it pays the cold compile caches), the second run all that remains. Other settings: UNSLOTH_PEER_MODEL
 # (qwen3-14b), UNSLOTH_PEER_LAYERS (8), UNSLOTH_PEER_TOKENS (8192), UNSLOTH_PEER_STEPS (6 batches = measured steps),
 # UNSLOTH_PEER_WARMUP (2),
-# UNSLOTH_PEER_MIX (realistic), UNSLOTH_PEER_RANK (16), UNSLOTH_PEER_REUSE=1 (keep a complete earlier export),
+# UNSLOTH_PEER_DB ("on off": which double-buffer settings run, in order), UNSLOTH_PEER_MIX (realistic), UNSLOTH_PEER_RANK (16), UNSLOTH_PEER_REUSE=1 (keep a complete earlier export),
 # UNSLOTH_PEER_KEEP=1 (keep the exported weights afterwards; default: deleted, they are ~8 GB), UNSLOTH_WHEELS
 # (.whl-unsloth), UNSLOTH_PEER_RUN_ARGS (extra `run` flags, e.g. --seq-lengths-device cuda), PYTHON (python3).
 set -uo pipefail
@@ -37,6 +37,8 @@ STEPS=${UNSLOTH_PEER_STEPS:-6}
 WARMUP=${UNSLOTH_PEER_WARMUP:-2}
 MIX=${UNSLOTH_PEER_MIX:-realistic}
 RANK=${UNSLOTH_PEER_RANK:-16}
+DBS=${UNSLOTH_PEER_DB:-on off}
+case " $DBS " in *" on "*|*" off "*) ;; *) echo "UNSLOTH_PEER_DB must list on and/or off, got: $DBS" >&2; exit 2 ;; esac
 BUDGET=${UNSLOTH_PEER_BUDGET:-560}
 EXPORT_MAX=${UNSLOTH_PEER_EXPORT_TIMEOUT:-240}
 STEM="unsloth-${MODEL}-L${LAYERS}-${TOKENS}"
@@ -64,7 +66,7 @@ last_line() { [ -f "$1" ] && grep -v '^\s*$' "$1" | tail -1 | cut -c1-300 | tr -
 finish() {
   local status=0 db
   log "summary ($STEM, $((SECONDS - START)) s):"
-  for db in on off; do
+  for db in $DBS; do
     PYTHONPATH="$SITE:$PWD" "$PY" "$SCRIPT" summary "$(out_of "$db")" || status=1
   done
   if [ "${UNSLOTH_PEER_KEEP:-0}" != "1" ]; then
@@ -75,18 +77,18 @@ finish() {
 }
 
 log "Unsloth peer: $MODEL, $LAYERS layers, $TOKENS tokens, $STEPS steps (+$WARMUP warmup), budget ${BUDGET}s -> $R"
-rm -f "$(out_of on)" "$(out_of off)"
+for db in $DBS; do rm -f "$(out_of "$db")"; done
 
 # 1. Unsloth's own site folder
 if ! ls "$WHEELS"/*.whl > /dev/null 2>&1; then
-  for db in on off; do fail_run "$db" "stage script: no $WHEELS/*.whl in $PWD (the Unsloth wheels must travel)"; done
+  for db in $DBS; do fail_run "$db" "stage script: no $WHEELS/*.whl in $PWD (the Unsloth wheels must travel)"; done
   finish
 fi
 log "installing $WHEELS into $SITE"
 if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
       "$WHEELS"/*.whl > "$R/unsloth-install.log" 2>&1; then
   msg="stage script: pip install of $WHEELS into $SITE failed: $(last_line "$R/unsloth-install.log")"
-  for db in on off; do fail_run "$db" "$msg"; done
+  for db in $DBS; do fail_run "$db" "$msg"; done
   finish
 fi
 
@@ -104,15 +106,15 @@ else
   if [ "$rc" != 0 ] || [ ! -f "$EXPORT_DIR/meta.json" ]; then
     why=$(last_line "$R/unsloth-export.log")
     [ "$rc" = 124 ] && why="timed out after ${t}s; $why"
-    for db in on off; do fail_run "$db" "stage script: export failed (exit $rc): $why"; done
+    for db in $DBS; do fail_run "$db" "stage script: export failed (exit $rc): $why"; done
     finish
   fi
 fi
 cp "$EXPORT_DIR/meta.json" "$R/unsloth-export-meta.json" 2>/dev/null
 
 # 3. one Unsloth process per double-buffer setting
-runs_left=2
-for db in on off; do
+runs_left=$(echo $DBS | wc -w)
+for db in $DBS; do
   out=$(out_of "$db")
   logf="$R/$STEM-db$db.log"
   if [ "$INTERRUPTED" = 1 ]; then
@@ -120,7 +122,7 @@ for db in on off; do
     runs_left=$((runs_left - 1)); continue
   fi
   # the first run pays the cold compile caches: 3/5 of what is left; the last run everything that is left
-  if [ "$runs_left" = 2 ]; then t=$(( ($(left) - 10) * 3 / 5 )); else t=$(( $(left) - 10 )); fi
+  if [ "$runs_left" -gt 1 ]; then t=$(( ($(left) - 10) * 3 / 5 )); else t=$(( $(left) - 10 )); fi
   if [ "$t" -lt 60 ]; then
     fail_run "$db" "stage script: not run: only $(left)s of the ${BUDGET}s stage budget left"
     runs_left=$((runs_left - 1)); continue

@@ -355,6 +355,14 @@ def peak_memory(device: torch.device | str | None = None) -> int | None:
     return None
 
 
+def current_memory(device: torch.device | str | None = None) -> int | None:
+    """Bytes the CUDA caching allocator holds allocated now (None on CPU); a host-side counter, no sync."""
+    device = torch.device(device) if device is not None else None
+    if torch.cuda.is_available() and (device is None or device.type == "cuda"):
+        return int(torch.cuda.memory_allocated(device))
+    return None
+
+
 def percentiles(values: Iterable[float]) -> dict[str, float]:
     """median, p20, p80 (linear interpolation), as the harness reports them."""
     v = sorted(values)
@@ -456,5 +464,5 @@ def profile(fn: Callable[[], object], *, steps: int = 1, trace_path: str | None 
     return ProfileResult(table=table, trace_path=trace_path, top_ops=top_ops)
 
 
-__all__ = ["SyncCounter", "SyncCountingMode", "SyncReport", "count_syncs", "PhaseTimer", "time_ms", "reset_peak_memory", "peak_memory",
-           "percentiles", "host_device_timeline", "profile", "ProfileResult"]
+__all__ = ["SyncCounter", "SyncCountingMode", "SyncReport", "count_syncs", "PhaseTimer", "time_ms", "reset_peak_memory",
+           "peak_memory", "current_memory", "percentiles", "host_device_timeline", "profile", "ProfileResult"]

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..data import PackedBatch
 from ..env import environment
-from ..profiling import PhaseTimer, SyncCounter, peak_memory, percentiles, reset_peak_memory
+from ..profiling import PhaseTimer, SyncCounter, current_memory, peak_memory, percentiles, reset_peak_memory
 
 
 def _noop(model: nn.Module) -> None:
@@ -69,14 +69,19 @@ def _forward_loss(model: nn.Module, kwargs: dict) -> torch.Tensor:
 
 
 def run_step(model: nn.Module, batch: PackedBatch, variant: Variant, *, mode: str, optimizer, timer: PhaseTimer,
-             state: Any = None) -> torch.Tensor:
-    """One step of ``mode`` ('train': forward+backward+optimizer; 'forward': no-grad forward)."""
+             state: Any = None, memory: dict | None = None) -> torch.Tensor:
+    """One step of ``mode`` ('train': forward+backward+optimizer; 'forward': no-grad forward).
+
+    ``memory`` (a dict), if given, receives ``forward_peak``: the CUDA allocator's peak at the end of the forward
+    (a host-side counter: no sync), so a step's peak splits into what the forward keeps and what backward adds."""
     ctx = variant.context(model) if variant.context is not None else contextlib.nullcontext()
     if mode == "train":
         with timer.phase("step"):
             with ctx:
                 with timer.phase("forward"):
                     loss = _forward_loss(model, variant.inputs(batch, state))
+                if memory is not None:
+                    memory["forward_peak"] = peak_memory(loss.device)
                 with timer.phase("backward"):
                     loss.backward()
             with timer.phase("optimizer"):
@@ -126,6 +131,8 @@ def run_variants(
     timer = PhaseTimer(device)
     samples: dict[str, dict[str, list[float]]] = {v.name: {} for v in variants}
     peaks: dict[str, int] = {v.name: 0 for v in variants}
+    resident: dict[str, int] = {v.name: 0 for v in variants}  # allocated before a step: weights, states, caches
+    forward_peaks: dict[str, int] = {v.name: 0 for v in variants}
     losses: dict[str, list[float]] = {v.name: [] for v in variants}
     failures: dict[str, str] = {}
     total = (warmup + steps) * len(variants)
@@ -142,11 +149,16 @@ def run_variants(
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 reset_peak_memory(device)
-                loss = run_step(model, batch, v, mode=mode, optimizer=optimizer, timer=timer, state=state)
+                before = current_memory(device)
+                memory: dict = {}
+                loss = run_step(model, batch, v, mode=mode, optimizer=optimizer, timer=timer, state=state,
+                                memory=memory)
                 times = timer.collect()
                 peak = peak_memory(device)
                 if peak is not None:
                     peaks[v.name] = max(peaks[v.name], peak)
+                    resident[v.name] = max(resident[v.name], before or 0)
+                    forward_peaks[v.name] = max(forward_peaks[v.name], memory.get("forward_peak") or 0)
                 if s >= warmup:
                     for phase, ms in times.items():
                         samples[v.name].setdefault(phase, []).append(ms)
@@ -181,6 +193,10 @@ def run_variants(
             if phase in samples[v.name]:
                 entry[f"{phase}_ms"] = percentiles(samples[v.name][phase])
         entry["peak_mem_bytes"] = peaks[v.name] or None
+        if peaks[v.name]:  # where the peak comes from: resident before the step, the forward's, the backward's
+            entry["resident_mem_bytes"] = resident[v.name]
+            if forward_peaks[v.name]:
+                entry["forward_peak_mem_bytes"] = forward_peaks[v.name]
         entry["loss_median"] = percentiles(losses[v.name])["median"] if losses[v.name] else None
         results.append(entry)
 
