@@ -63,7 +63,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--presets", default="gpt-oss-20b,qwen3-30b-a3b")
     ap.add_argument("--tokens", default="8192,16384")
-    ap.add_argument("--impls", default="sync_free", help="moe_routing implementations to time and profile")
+    ap.add_argument("--impls", default="sync_free,sync_free:eager_glue",
+                    help="moe_routing implementations to time and profile (':eager_glue': every fused kernel off)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--calls", type=int, default=3, help="profiled calls per case")
     ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a dry run of the script)")
@@ -76,14 +77,15 @@ def main(argv=None) -> int:
     from fastsft_lab.env import environment
     from fastsft_lab.lab.scenarios.moe import _matmuls_alone, _router_and_experts
     from fastsft_lab.models import build_model, decoder_layers
-    from fastsft_lab.moe import moe_routing
+    from fastsft_lab.moe import moe_routing, set_fused_glu
+    from fastsft_lab.moe.kernels import set_fused_combine
     from fastsft_lab.profiling import time_ms
 
     device = torch.device(args.device)
     os.makedirs(args.out, exist_ok=True)
     doc = {"environment": environment(device), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "what": "one MoE layer's experts, forward + backward (input and routing-weight grads, expert weights "
-                   "frozen); time per implementation and the GPU time per op/kernel under torch.profiler",
+                   "frozen as under LoRA); time per implementation and the GPU time per op/kernel under torch.profiler",
            "cases": []}
     for preset in args.presets.split(","):
         model = build_model(preset, device=device, dtype=torch.bfloat16, num_layers=1)
@@ -99,10 +101,16 @@ def main(argv=None) -> int:
             grad_out = torch.randn_like(hidden)
             case = {"preset": preset, "tokens": tokens, "num_experts": base.num_experts, "top_k": index.shape[1],
                     "hidden_size": hidden_size, "rows": []}
+            trainable = [p for p in experts.parameters() if p.requires_grad]
+            for p in trainable:  # expert weights frozen, as under LoRA (the limit has no weight gradients either)
+                p.requires_grad_(False)
             floor = _matmuls_alone(base, hidden, index, grad_out, device, 3, args.reps)
             case["rows"].append({"name": "expert matmuls alone", "step_ms": floor.get("step_ms"),
                                  "forward_ms": floor.get("forward_ms"), "error": floor.get("error")})
-            for impl in args.impls.split(","):
+            for spec in args.impls.split(","):
+                impl, _, flag = spec.partition(":")
+                glu_before = set_fused_glu(flag != "eager_glue")
+                combine_before = set_fused_combine(flag != "eager_glue")
                 with moe_routing(model, impl):
                     def train():
                         h = hidden.detach().requires_grad_(True)
@@ -113,13 +121,15 @@ def main(argv=None) -> int:
                         with torch.no_grad():
                             experts(hidden, index, weights)
 
-                    row = {"name": impl, "step_ms": time_ms(train, device, 3, args.reps),
+                    row = {"name": spec, "step_ms": time_ms(train, device, 3, args.reps),
                            "forward_ms": time_ms(forward, device, 3, args.reps),
                            "profile_step": profile_ops(train, args.calls),
                            "profile_forward": profile_ops(forward, args.calls)}
+                set_fused_glu(glu_before)
+                set_fused_combine(combine_before)
                 case["rows"].append(row)
                 ratio = row["step_ms"]["median"] / floor["step_ms"]["median"] if floor.get("step_ms") else None
-                print(f"\n== {preset} {tokens} tok {impl}: step {row['step_ms']['median']:.3f} ms, forward "
+                print(f"\n== {preset} {tokens} tok {spec}: step {row['step_ms']['median']:.3f} ms, forward "
                       f"{row['forward_ms']['median']:.3f} ms; matmuls alone {floor['step_ms']['median']:.3f} / "
                       f"{floor['forward_ms']['median']:.3f} ms" + (f" ({ratio:.2f}x)" if ratio else ""))
                 print(f"   GPU busy per step {row['profile_step']['gpu_busy_ms']:.3f} ms; top ops (self GPU ms):")
@@ -128,6 +138,8 @@ def main(argv=None) -> int:
                 print("   top kernels:")
                 for o in row["profile_step"]["kernels"][:14]:
                     print(f"     {o['ms']:8.3f}  {o['name'][:110]}")
+            for p in trainable:
+                p.requires_grad_(True)
             doc["cases"].append(case)
             del hidden, grad_out, weights, index
         del model, mlp, router, experts, base

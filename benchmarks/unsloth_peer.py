@@ -331,6 +331,31 @@ def _count_attention_calls(adispatch, counts: dict):
     return undo
 
 
+def profile_gpu(fn, torch, top: int = 40) -> dict:
+    """GPU time of one call of ``fn`` under ``torch.profiler``: the busy total, and the top aten ops (self device
+    time: the kernels an op launches itself) and kernels, in ms. What each side's step is made of, by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ops, kernels = {}, {}
+    for evt in prof.key_averages():
+        us = float(getattr(evt, "self_device_time_total", 0.0) or 0.0)
+        if us <= 0:
+            continue
+        on_device = "CUDA" in str(getattr(evt, "device_type", "")) and not evt.key.startswith("aten::")
+        target = kernels if on_device else ops
+        target[evt.key] = target.get(evt.key, 0.0) + us / 1000.0
+
+    def ranked(d):
+        return [{"name": k[:200], "ms": round(v, 3)} for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+
+    return {"what": "one untimed forward+backward of batch 0 under torch.profiler",
+            "gpu_busy_ms": round(sum(kernels.values()), 3), "ops": ranked(ops), "kernels": ranked(kernels)}
+
+
 def _sync_warnings(fn, torch) -> tuple[int, dict]:
     """Run ``fn`` under sync-debug mode "warn": (syncs CUDA reported, {site: count}).
 
@@ -574,6 +599,11 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
         optimizer.step()
         syncs_opt = None
     optimizer.zero_grad(set_to_none=True)
+    profiled = None
+    if cuda and os.environ.get("UNSLOTH_PEER_PROFILE", "1") != "0":
+        ctx["stage"] = "profiled forward+backward (untimed)"
+        profiled = profile_gpu(forward_backward, torch)
+        optimizer.zero_grad(set_to_none=True)
 
     variant = {"name": _variant_name(double_buffer),
                "toggles": {"double_buffer": double_buffer, "gradient_checkpointing": "unsloth",
@@ -595,6 +625,8 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
         "host_sync_sites": sites, "attention_calls": attention_calls,
         "samples_ms": {k: [round(x, 3) for x in v] for k, v in samples.items()},
     })
+    if profiled is not None:
+        variant["profile"] = profiled
 
     ctx["stage"] = "checks"
     problems = []

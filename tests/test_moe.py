@@ -306,6 +306,71 @@ def test_fused_glu_kernel_interpreted_on_cpu():
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
 
 
+_FUSED_GLUE_CHECK = r"""
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+from fastsft_lab.moe import gate, grouping, kernels
+assert kernels._HAS_TRITON and kernels.fused_combine_available(torch.zeros(1))
+
+def close(a, b, what, tol=1e-5):
+    err = (a - b).abs().max().item()
+    assert err <= tol * (1 + b.abs().max().item()), (what, err)
+
+torch.manual_seed(0)
+for T, k, H, E in [(37, 4, 48, 8), (21, 8, 40, 16), (5, 3, 7, 4)]:   # k = 3: a slot count that is not a power of 2
+    idx = torch.randint(0, E, (T, k))
+    _, perm, _ = grouping.group_by_expert(idx, E)
+    inv = grouping.inverse_permutation(perm)
+    h, w = torch.randn(T, H), torch.rand(T, k)
+    go = torch.randn(T, H)
+    runs = []
+    for fused in (False, True):
+        kernels.set_fused_combine(fused)
+        hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        x = grouping.tokens_in_expert_order(hh, perm, inv, k)
+        y = x * 1.5 + 0.25 * x ** 2          # a row-wise function: every row's gradient differs
+        out = grouping.combine(y, perm, inv, ww)
+        out.backward(go)
+        runs.append((out.detach(), hh.grad, ww.grad, type(out.grad_fn).__name__, type(x.grad_fn).__name__))
+    (o0, h0, w0, n0, x0), (o1, h1, w1, n1, x1) = runs
+    assert n1 == "FusedCombineBackward" and x1 == "FusedTokenGatherBackward", (n1, x1)
+    assert n0 != n1 and x0 != x1, (n0, x0)
+    close(o1, o0, "combine"); close(h1, h0, "token grad"); close(w1, w0, "weight grad")
+
+gu = torch.randn(13, 48)
+a, b = gu.clone().requires_grad_(True), gu.clone().requires_grad_(True)
+ref = torch.nn.functional.silu(a[:, :24]) * a[:, 24:]
+out = gate.silu_glu(b)
+assert "Fused" in type(out.grad_fn).__name__, type(out.grad_fn)
+go = torch.randn_like(out); ref.backward(go); out.backward(go)
+close(out, ref, "swiglu"); close(b.grad, a.grad, "swiglu grad")
+
+E, I, S = 4, 12, 19
+gu = torch.randn(S, 2 * I) * 6
+bias = torch.randn(E, 2 * I)
+ids = torch.sort(torch.randint(0, E, (S,)))[0]
+a, b = gu.clone().requires_grad_(True), gu.clone().requires_grad_(True)
+ba, bb = bias.clone().requires_grad_(True), bias.clone().requires_grad_(True)
+ref = gate.eager_gpt_oss_glu(a + ba[ids], 1.702, 7.0)
+out = gate.gpt_oss_glu(b, 1.702, 7.0, bias=bb, expert_ids=ids)
+go = torch.randn_like(out); ref.backward(go); out.backward(go)
+close(out, ref, "glu+bias"); close(b.grad, a.grad, "glu+bias grad"); close(bb.grad, ba.grad, "bias grad")
+print("ok")
+"""
+
+
+def test_fused_combine_gather_and_gates_interpreted_on_cpu():
+    # The combine, the token gather's backward, the SiLU gate and GPT-OSS's gate with its bias read in place: each
+    # fused kernel against its eager expression, outputs and gradients (Triton's interpreter on CPU tensors).
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _FUSED_GLUE_CHECK], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
+
+
 def test_eager_glu_equals_stock_gate():
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
@@ -580,6 +645,47 @@ def test_cuda_fused_glu_matches_eager_gate():
     gerr_fused = (x.grad.float() - ref_in.grad).abs().max().item()
     gerr_eager = (eager_in.grad.float() - ref_in.grad).abs().max().item()
     assert gerr_fused <= 1.5 * gerr_eager + 1e-6, (gerr_fused, gerr_eager)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_cuda_fused_glue_is_as_close_to_fp32_as_the_eager_glue(family):
+    # sync_free experts at real width in bf16, fused kernels on and off, against the same experts in float32.
+    from fastsft_lab.moe.kernels import set_fused_combine
+
+    preset = "gpt-oss-20b" if family == "gpt_oss" else "qwen3-30b-a3b"
+    model = build_model(preset, device="cuda", dtype=torch.bfloat16, num_layers=1)
+    from fastsft_lab.lab.scenarios.moe import _router_and_experts
+    from fastsft_lab.moe.kernels import fused_combine_available
+
+    router, experts = _router_and_experts(decoder_layers(model)[0].mlp)
+    hidden = torch.randn(2048, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    assert moe.fused_glu_available(hidden) and fused_combine_available(hidden), "triton ships with CUDA torch"
+    with torch.no_grad():
+        _, weights, index = router(hidden)
+    go = torch.randn_like(hidden)
+
+    def run(module, dtype):
+        h = hidden.to(dtype).requires_grad_(True)
+        w = weights.to(dtype).requires_grad_(True)
+        module.zero_grad(set_to_none=True)
+        out = module(h, index, w)
+        out.backward(go.to(dtype))
+        return out.float(), h.grad.float(), w.grad.float()
+
+    set_moe_routing(model, "sync_free")
+    fused = run(experts, torch.bfloat16)
+    glu_before, combine_before = moe.set_fused_glu(False), set_fused_combine(False)
+    try:
+        eager = run(experts, torch.bfloat16)
+    finally:
+        moe.set_fused_glu(glu_before)
+        set_fused_combine(combine_before)
+    ref = run(copy.deepcopy(experts).float(), torch.float32)
+    for name, f, e, r in zip(("output", "input grad", "routing-weight grad"), fused, eager, ref):
+        err_f = ((f - r).abs().max() / r.abs().max()).item()
+        err_e = ((e - r).abs().max() / r.abs().max()).item()
+        assert err_f <= 1.5 * err_e + 1e-3, (name, err_f, err_e)
 
 
 @pytest.mark.cuda

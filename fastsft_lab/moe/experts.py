@@ -11,8 +11,8 @@ hidden (T, H), top_k_index (T, k), top_k_weights (T, k) -> (T, H)).
   (:mod:`.matmul`): zero host syncs. Where no grouped matmul runs it falls back to ``grouped`` (and says so).
   Against transformers' own ``grouped_mm`` experts (same idea) it trims the glue around the two matmuls: no
   expert-parallel sentinel masking, biases folded into small GEMMs instead of (S, .) gathers, the routing weights
-  applied inside the k-way reduction, gathers whose backward is a gather, and GPT-OSS's clamped gate fused into one
-  Triton kernel each way on CUDA (:mod:`.gate`).
+  applied inside the k-way reduction, gathers whose backward is a gather, and on CUDA the gates, the combine and the
+  token gather's backward as fused Triton kernels (:mod:`.gate`, :mod:`.kernels`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gate import gpt_oss_glu, is_gpt_oss_gate
+from .gate import fused_glu_available, gpt_oss_glu, is_gpt_oss_gate, is_silu_gate, silu_glu
 from .grouping import combine, group_by_expert, inverse_permutation, tokens_in_expert_order
 from .matmul import ContiguousGrad, grouped_mm, grouped_mm_unavailable
 from .nf4 import NF4_ATTR, NF4GroupedMM, NF4Weight, expert_matmul, expert_weight, is_nf4, mat_b, nf4_checked
@@ -133,8 +133,9 @@ def sync_free_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
     (three ``masked_fill`` passes over (S, H)/(S, 2I) - we do not run expert parallelism), the gate_up bias added
     by one ``addmm`` against a one-hot (S, E) matrix (no per-row bias gather), the down bias folded into a tiny
     (T, E) @ (E, H) matmul of the routing weights (no (S, H) gather + add), the routing weights applied inside the
-    k-way reduction (one batched matmul instead of multiply + gather + sum), and the GPT-OSS gate as one fused
-    Triton kernel each way on CUDA (six eager kernels elsewhere).
+    k-way reduction, and on CUDA fused Triton kernels each way for the gate (GPT-OSS's, reading the gate_up bias
+    in place; the SiLU gate), the combine (gather + weighting + k-way sum) and the token gather's backward
+    (:mod:`.gate`, :mod:`.kernels`; one batched matmul, a gather and a sum elsewhere).
     Falls back to :func:`grouped_experts_forward` (one host sync) where no grouped matmul runs, with a warning.
     """
     num_tokens, k = top_k_index.shape
@@ -159,15 +160,22 @@ def sync_free_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
     inv = inverse_permutation(perm)
     x = tokens_in_expert_order(hidden_states, perm, inv, k)  # (S, H) rows in expert order
     gate_up = grouped_proj(self, "gate_up_proj", x, offs)  # (S, 2I)
-    if self.has_bias:
-        # Per-row bias of the row's expert = one_hot(expert) @ bias: one GEMM over (S, E) x (E, 2I) that reads and
-        # writes gate_up once, instead of gathering an (S, 2I) bias tensor and adding it.
-        one_hot = gate_up.new_zeros(sorted_ids.numel(), num_experts).scatter_(1, sorted_ids.unsqueeze(1), 1.0)
-        gate_up = torch.addmm(gate_up, one_hot, self.gate_up_proj_bias.to(gate_up.dtype))
-    if is_gpt_oss_gate(self):
-        act = gpt_oss_glu(gate_up, self.alpha, self.limit)  # fused Triton kernel on CUDA
+    gpt_oss = is_gpt_oss_gate(self)
+    if gpt_oss and self.has_bias and fused_glu_available(gate_up):
+        # the fused gate adds each row's expert bias as it reads gate_up: no (S, 2I) biased copy
+        act = gpt_oss_glu(gate_up, self.alpha, self.limit, bias=self.gate_up_proj_bias, expert_ids=sorted_ids)
     else:
-        act = self._apply_gate(gate_up)  # (S, I)
+        if self.has_bias:
+            # Per-row bias of the row's expert = one_hot(expert) @ bias: one GEMM over (S, E) x (E, 2I) that reads
+            # and writes gate_up once, instead of gathering an (S, 2I) bias tensor and adding it.
+            one_hot = gate_up.new_zeros(sorted_ids.numel(), num_experts).scatter_(1, sorted_ids.unsqueeze(1), 1.0)
+            gate_up = torch.addmm(gate_up, one_hot, self.gate_up_proj_bias.to(gate_up.dtype))
+        if gpt_oss:
+            act = gpt_oss_glu(gate_up, self.alpha, self.limit)  # fused Triton kernel on CUDA
+        elif is_silu_gate(self):
+            act = silu_glu(gate_up)  # fused Triton kernel on CUDA (Qwen3-MoE)
+        else:
+            act = self._apply_gate(gate_up)  # (S, I)
     y = grouped_proj(self, "down_proj", act, offs)  # (S, H)
     out = combine(y, perm, inv, top_k_weights)  # (T, H)
     if self.has_bias:

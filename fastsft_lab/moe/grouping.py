@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .kernels import FusedCombine, FusedTokenGather, fused_combine_available
+
 
 def group_by_expert(top_k_index: torch.Tensor, num_experts: int, *, int32: bool = False):
     """Sort the (token, slot) pairs by expert id, without a host sync.
@@ -63,7 +65,10 @@ class _RowGather(torch.autograd.Function):
 
 def tokens_in_expert_order(hidden_states: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor,
                             k: int) -> torch.Tensor:
-    """(T, H) -> (S, H): row i is the token of sorted pair i; backward sums each token's k row gradients."""
+    """(T, H) -> (S, H): row i is the token of sorted pair i; backward sums each token's k row gradients (one fused
+    gather-and-sum kernel on CUDA, :class:`.kernels.FusedTokenGather`; a gather and a sum over k elsewhere)."""
+    if fused_combine_available(hidden_states):
+        return FusedTokenGather.apply(hidden_states, perm, inv, k)
     return _RowGather.apply(hidden_states, perm // k, inv, k)
 
 
@@ -73,8 +78,11 @@ def combine(y_sorted: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor,
     routing-weighted sum over the k slots as one batched (1 x k) @ (k x H) matmul per token.
 
     Deterministic: a gather and a reduction in a fixed order, no ``index_add_`` atomics; the weighting and the sum
-    are one kernel (bf16 inputs accumulate in fp32 inside the matmul).
+    are one kernel (bf16 inputs accumulate in fp32 inside the matmul). On CUDA the gather, weighting and sum are one
+    Triton kernel each way (:class:`.kernels.FusedCombine`, same numerics).
     """
+    if fused_combine_available(y_sorted):
+        return FusedCombine.apply(y_sorted, perm, inv, top_k_weights.to(y_sorted.dtype))
     num_tokens, k = top_k_weights.shape
     y = _RowGather.apply(y_sorted, inv, perm, 1).view(num_tokens, k, -1)  # (T, k, H)
     return torch.bmm(top_k_weights.to(y.dtype).unsqueeze(1), y).squeeze(1)  # (T, 1, k) @ (T, k, H) -> (T, H)

@@ -20,7 +20,8 @@ from ...data import benchmark_batches
 from ...models import LoraSettings, build_model, decoder_layers, get_preset
 from ...moe import experts_modules, fused_glu_available, group_by_expert, grouped_mm, grouped_mm_unavailable, moe_routing
 from ...moe import IMPLEMENTATIONS, quantize_experts_nf4, set_fused_glu, set_moe_routing, nf4_expert_bytes
-from ...moe.gate import is_gpt_oss_gate
+from ...moe.gate import is_gpt_oss_gate, is_silu_gate
+from ...moe.kernels import set_fused_combine
 from ...moe.nf4 import NF4_ATTR, NF4Weight, expert_weight, is_nf4, mat_b
 from ...profiling import SyncCounter, time_ms
 from ..harness import Variant, default_inputs, format_table, make_result, run_variants, write_json
@@ -75,8 +76,11 @@ MICRO_IMPLEMENTATIONS = (
      "stock experts_implementation='grouped_mm' (transformers 5.x default): sort, histc, grouped_mm, sentinel "
      "masking, per-row bias gathers, weight multiply + inverse-permutation gather + sum"),
     ("sync_free, eager gate", "sync_free:eager_gate",
-     "sync_free with the six-kernel eager GPT-OSS gate instead of the fused Triton kernel (shows the gate's share; "
-     "only where the fused kernel runs)"),
+     "sync_free with the eager gate (GPT-OSS: six kernels; SiLU gate: three) instead of the fused Triton kernel "
+     "(shows the gate's share; only where the fused kernels run)"),
+    ("sync_free, eager glue", "sync_free:eager_glue",
+     "sync_free with every fused Triton kernel off: eager gate, combine as gather + batched matmul, token-gather "
+     "backward as gather + sum (only where the fused kernels run)"),
 )
 
 
@@ -87,9 +91,9 @@ def experts_microbenchmark(model: nn.Module, *, tokens: int, layer: int = 0, war
 
     The router runs once (outside the timing) on a random (tokens, H) input; each implementation then runs the
     experts forward (no grad: a validation step) and forward + backward (gradients for the input and the routing
-    weights; expert weights frozen, as under LoRA). The last row, "expert matmuls alone", is the zero-overhead
-    limit: the two grouped matmuls on rows already sorted by expert (and, for training, their input gradients),
-    with no routing, bias, gate or reduction at all.
+    weights; expert weights frozen for the timing, as under LoRA, whatever the model was built with). The last row,
+    "expert matmuls alone", is the zero-overhead limit: the two grouped matmuls on rows already sorted by expert
+    (and, for training, their input gradients), with no routing, bias, gate or reduction at all.
     """
     mlp = decoder_layers(model)[layer].mlp
     router, experts = _router_and_experts(mlp)
@@ -102,12 +106,30 @@ def experts_microbenchmark(model: nn.Module, *, tokens: int, layer: int = 0, war
     with torch.no_grad():
         _, weights, index = router(hidden)
     grad_out = torch.randn(tokens, hidden.shape[1], device=device, dtype=dtype, generator=gen)
+    # Expert weights frozen for the timing, as under LoRA, whatever the model was built with (a model without
+    # adapters trains every weight: its step would add the weight gradients the limit below does not have).
+    trainable = [p for p in experts.parameters() if p.requires_grad]
+    for p in trainable:
+        p.requires_grad_(False)
+    try:
+        rows = _micro_rows(model, experts, base, hidden, weights, index, grad_out, device, warmup, reps,
+                           implementations)
+    finally:
+        for p in trainable:
+            p.requires_grad_(True)
+    return rows
+
+
+def _micro_rows(model, experts, base, hidden, weights, index, grad_out, device, warmup, reps, implementations):
     rows = []
     for label, spec, note in implementations:
         impl, _, flag = spec.partition(":")
-        if flag == "eager_gate" and not (is_gpt_oss_gate(base) and fused_glu_available(hidden)):
+        if flag in ("eager_gate", "eager_glue") and not fused_glu_available(hidden):
             continue  # identical to sync_free here
-        fused_before = set_fused_glu(False) if flag == "eager_gate" else None
+        if flag == "eager_gate" and not (is_gpt_oss_gate(base) or is_silu_gate(base)):
+            continue
+        fused_before = set_fused_glu(False) if flag in ("eager_gate", "eager_glue") else None
+        combine_before = set_fused_combine(False) if flag == "eager_glue" else None
         with moe_routing(model, impl):
             def forward():
                 with torch.no_grad():
@@ -136,6 +158,8 @@ def experts_microbenchmark(model: nn.Module, *, tokens: int, layer: int = 0, war
             finally:
                 if fused_before is not None:
                     set_fused_glu(fused_before)
+                if combine_before is not None:
+                    set_fused_combine(combine_before)
         rows.append(entry)
     rows.append(_matmuls_alone(base, hidden, index, grad_out, device, warmup, reps))
     return rows
