@@ -7,8 +7,8 @@ random input; then the experts forward + backward (input and routing-weight grad
 under LoRA) of every ``moe_routing`` implementation named in ``--impls`` is timed (CUDA events, median of
 ``--reps``), next to "expert matmuls alone" (the zero-overhead limit of ``fastsft_lab.lab.scenarios.moe``), and
 profiled with ``torch.profiler``: GPU time per aten op (self device time: the kernels an op launches itself) and per
-kernel, averaged over the profiled calls. Everything lands in ``DIR/experts_profile.json`` plus one text table per
-case on stdout. Needs a CUDA GPU with grouped_mm (sm80+, bf16).
+kernel, averaged over the profiled calls. Everything lands in ``DIR/experts_profile.json`` (a result document,
+scenario ``moe-experts-profile``, read by ``fastsft_lab.lab.results``) plus one text table per case on stdout. Needs a CUDA GPU with grouped_mm (sm80+, bf16).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
@@ -83,7 +82,7 @@ def main(argv=None) -> int:
 
     device = torch.device(args.device)
     os.makedirs(args.out, exist_ok=True)
-    doc = {"environment": environment(device), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    doc = {"scenario": "moe-experts-profile", "env": environment(device),
            "what": "one MoE layer's experts, forward + backward (input and routing-weight grads, expert weights "
                    "frozen as under LoRA); time per implementation and the GPU time per op/kernel under torch.profiler",
            "cases": []}

@@ -666,8 +666,8 @@ def test_cuda_fused_glue_is_as_close_to_fp32_as_the_eager_glue(family):
     go = torch.randn_like(hidden)
 
     def run(module, dtype):
-        h = hidden.to(dtype).requires_grad_(True)
-        w = weights.to(dtype).requires_grad_(True)
+        h = hidden.detach().to(dtype).requires_grad_(True)   # fresh leaves each run
+        w = weights.detach().to(dtype).requires_grad_(True)
         module.zero_grad(set_to_none=True)
         out = module(h, index, w)
         out.backward(go.to(dtype))

@@ -814,9 +814,11 @@ def test_bench_scenario_smoke(tmp_path):
                            progress=False, models="tiny-qwen3", backends="sdpa", tokens=256)
     assert len(results) == 1
     rows = {r["name"]: r for r in results[0]["variants"]}
-    assert set(rows) == {"sdpa naive", "sdpa cached", "sdpa oracle", "stock sdpa"}
+    assert set(rows) == {"sdpa naive", "sdpa cached", "sdpa cached (collated)", "sdpa oracle", "stock sdpa"}
     assert rows["sdpa naive"]["host_syncs_in_layers"] >= 3
     assert rows["sdpa cached"]["host_syncs_in_layers"] == 0 and rows["sdpa oracle"]["host_syncs_per_step"] == 0
+    assert rows["sdpa cached (collated)"]["host_syncs_per_step"] == 0
+    assert {"cached_vs_oracle_step", "collated_vs_oracle_step", "collated_step_speedup"} <= set(results[0]["speedups"])
     assert all(r["note"] for r in rows.values())
     assert (tmp_path / "packed_tiny-qwen3_256_short_sdpa.json").exists()
     assert (tmp_path / "packed_regime.png").exists()
@@ -836,10 +838,10 @@ def test_bench_scenario_records_a_configuration_whose_variants_all_fail_and_goes
     real = P.packed_variants
     calls = []
 
-    def first_config_broken(model, backend, device, *, stock=None):
+    def first_config_broken(model, backend, device, **kwargs):
         calls.append(backend)
         if len(calls) > 1:
-            return real(model, backend, device, stock=stock)
+            return real(model, backend, device, **kwargs)
 
         def broken(batch, state=None):
             raise RuntimeError("could not compile")

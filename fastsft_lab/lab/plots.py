@@ -363,3 +363,145 @@ def plot_host_device_timeline(timelines: dict[str, dict], ax=None, title: str | 
 
 __all__ = ["save_figure", "plot_result", "plot_waterfall", "plot_regime", "plot_offload_result", "plot_across_tokens", "plot_sweep",
            "plot_timeline", "plot_timelines", "plot_host_device_timeline"]
+
+
+def plot_offload_link(result: dict):
+    """Offloaded checkpointing behind emulated host links (scenario ``offload_link``): left, step speed against
+    plain checkpointing (1.00x: no copies, the same for every link) of x1 and x2 vs link bandwidth, measured
+    (solid) and the timeline model (dashed); right, the gain of x2 over x1 with the published +6.7%. Log x; the
+    top axis is the same link as copy/backward time per layer (a GPU ``native / bw`` times faster per byte at the
+    native link has that ratio). Marked: the native link and a B200 at the same link (an estimate, a band)."""
+    import numpy as np
+
+    plt = _plt()
+    pts = result.get("points", [])
+    cfg, d = result.get("config", {}), result.get("derived", {})
+    curve, minp = result.get("model_curve") or [], result.get("model_inputs") or {}
+    native, band = d.get("native_link_gbps"), d.get("b200_equivalent_gbps")
+    plain = next((p.get("plain_ms") for p in pts if p.get("plain_ms")), None)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.9))
+
+    def x(p):
+        return p.get("measured_gbps") or p.get("target_gbps")
+
+    lines = (("offload1", _ORANGE, "offload x1"), ("offload2", _GREY, "offload x2"),
+             ("offload2p", _BLUE, "offload x2 + prefetch"))
+    if plain:
+        a1.axhline(1.0, color="black", lw=1.0, label=f"plain checkpointing ({plain:.0f} ms, no copies)")
+        for key, color, label in lines:
+            line = sorted((x(p), plain / p[f"{key}_ms"]) for p in pts if x(p) and p.get(f"{key}_ms"))
+            if line:
+                a1.plot(*zip(*line), marker="o", color=color, label=f"{label} (measured)")
+                for xi, yi in line:
+                    a1.annotate(f"{yi:.2f}x", (xi, yi), xytext=(0, 4), textcoords="offset points", fontsize=7,
+                                ha="center")
+        for key, ck, color in (("offload1", "x1_ms", _ORANGE), ("offload2p", "x2_ms", _BLUE)):
+            if curve:
+                a1.plot([c["gbps"] for c in curve], [plain / c[ck] for c in curve], ls="--", color=color, lw=1,
+                        label=f"model {'x1' if ck == 'x1_ms' else 'x2'}")
+        budget = d.get("overhead_budget")
+        if budget:
+            a1.axhline(1 / (1 + budget), color=_RED, ls=":", lw=0.8, label=f"{budget:.0%} overhead budget")
+    gain = sorted((x(p), p["gain_x2_vs_x1"] * 100) for p in pts if x(p) and p.get("gain_x2_vs_x1") is not None)
+    if gain:
+        a2.plot(*zip(*gain), marker="o", color=_BLUE, label="measured")
+        for xi, yi in gain:
+            a2.annotate(f"{yi:+.1f}%", (xi, yi), xytext=(0, 4), textcoords="offset points", fontsize=7, ha="center")
+    if curve:
+        a2.plot([c["gbps"] for c in curve], [c["gain_x2_vs_x1"] * 100 for c in curve], ls="--", color=_BLUE, lw=1,
+                label=f"model, {cfg.get('num_layers')} layers")
+        a2.plot([c["gbps"] for c in curve], [c["gain_x2_vs_x1_full_depth"] * 100 for c in curve], ls=":",
+                color=_BLUE, lw=1, label=f"model, {cfg.get('full_depth')} layers")
+    pub = d.get("published_gain")
+    if pub:
+        a2.axhline(pub * 100, color=_RED, lw=0.8, ls=":", label=f"published +{pub:.1%} (Qwen3-14B, B200)")
+    begins = d.get("published_gain_regime_begins_gbps")
+    if begins:
+        a2.axvline(begins, color=_RED, lw=0.8, ls="--")
+        a2.annotate(f"+{pub:.1%} from {begins:.0f} GB/s", (begins, pub * 100), xytext=(4, -12),
+                    textcoords="offset points", fontsize=7, color=_RED)
+    for ax in (a1, a2):
+        if native:
+            ax.axvline(native, color=_GREY, ls="-.", lw=0.9, label=f"native link ({native:.0f} GB/s)")
+        if band:
+            ax.axvspan(band[0], band[1], color=_RED, alpha=0.08, label="B200 at the native link (est.)")
+        ticks = sorted({round(x(p), 1) for p in pts if x(p)})
+        if ticks:
+            ax.set_xscale("log")
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks], fontsize=7)
+            ax.minorticks_off()
+        ax.set_xlabel("host<->device link, GB/s (log; " + ("measured on the copy stream)" if native else
+                                                           "nominal: a CPU run has no link)"), fontsize=8)
+        ax.legend(fontsize=7, loc="lower right" if ax is a1 else "upper right")
+        if minp.get("bwd_ms") and minp.get("layer_bytes") and native:
+            k = minp["layer_bytes"] / (1e6 * minp["bwd_ms"])     # ratio = k / GB/s
+            top = ax.secondary_xaxis("top", functions=(lambda b: k / np.clip(b, 1e-9, None),
+                                                       lambda r: k / np.clip(r, 1e-9, None)))
+            top.set_xticks([k / t for t in ticks], [f"{k / t:.2g}" for t in ticks], fontsize=7)
+            top.minorticks_off()
+            top.set_xlabel(f"copy / backward time per layer (= a GPU {native:.0f}/x times faster per byte at "
+                           f"{native:.0f} GB/s)", fontsize=8)
+    a1.set_ylabel(f"step speed vs plain checkpointing ({HIGHER})", fontsize=8)
+    a2.set_ylabel(f"gain of x2 + prefetch over x1, % ({HIGHER})", fontsize=8)
+    where = _where(result) + ("" if native else ": no link, not a measurement")
+    fig.suptitle(f"offload behind emulated links: {cfg.get('model')} x{cfg.get('num_layers')} layers, "
+                 f"{cfg.get('tokens_per_step')} tokens | {where}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+__all__.append("plot_offload_link")
+
+
+# --- where the time goes (fastsft_lab.lab.breakdown) ---------------------------------------------------------------
+BREAKDOWN_COLORS = {"attention": "#4C72B0", "experts": "#DD8452", "dense": "#55A868", "nf4_dequant": "#8DBF8B",
+                    "lora": "#C44E52", "loss_head": "#8172B3", "elementwise": "#937860", "copies": "#DA8BC3",
+                    "optimizer": "#CCB974", "other": "#64B5CD", "idle": "#D9D9D9"}
+
+
+def plot_breakdown(results: Sequence[dict], *, min_label: float = 0.04):
+    """One stacked horizontal bar per breakdown result (``scenario == "breakdown"``): the step split into its
+    categories, as a share of the step, each part wide enough (``min_label``) labelled with its ms and %. The step
+    time and the named bottleneck are in each bar's label. Returns None when no result has a breakdown."""
+    docs = [r for r in results if r.get("breakdown")]
+    if not docs:
+        return None
+    plt = _plt()
+    height = 1.6 + 0.9 * len(docs)
+    fig, ax = plt.subplots(figsize=(12, height))
+    seen: dict[str, str] = {}
+    names = []
+    for y, doc in enumerate(docs):
+        bd, c = doc["breakdown"], doc["config"]
+        left = 0.0
+        for row in bd["categories"]:
+            if row["ms"] <= 0:
+                continue
+            color = BREAKDOWN_COLORS.get(row["category"], _GREY)
+            ax.barh(y, row["share"], left=left, color=color, edgecolor="white", linewidth=0.6, height=0.6)
+            seen.setdefault(row["category"], row["label"])
+            if row["share"] >= min_label:
+                ax.text(left + row["share"] / 2, y, f"{row['ms']:.0f} ms\n{row['share']:.0%}" if row["ms"] >= 10
+                        else f"{row['ms']:.1f} ms\n{row['share']:.0%}", ha="center", va="center", fontsize=7)
+            left += row["share"]
+        top = {r["category"]: r["label"] for r in bd["categories"]}[bd["bottleneck"]]
+        names.append(f"{c['model']} x{c['num_layers']}, {c['tokens_per_step']} tok, kernels {c.get('kernels', '-')}\n"
+                     f"step {bd['step_ms']:.0f} ms profiled; largest: {top}")
+    ax.set_yticks(range(len(docs)))
+    ax.set_yticklabels(names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1)
+    ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:.0%}"))
+    cuda = docs[0]["breakdown"].get("activity") == "cuda"
+    ax.set_xlabel("share of the all-fast step: " + ("device time per category; idle = no kernel running" if cuda
+                  else "host ops' self time per category; idle = host time outside any op (a CPU run)"), fontsize=8)
+    ax.set_title(f"Where the all-fast step goes | {_where(docs[0])}", fontsize=9)
+    order = sorted(seen, key=lambda k: list(BREAKDOWN_COLORS).index(k) if k in BREAKDOWN_COLORS else len(seen))
+    handles = [plt.Rectangle((0, 0), 1, 1, color=BREAKDOWN_COLORS.get(k, _GREY)) for k in order]
+    fig.legend(handles, [seen[k] for k in order], ncol=min(6, len(seen)), fontsize=7, loc="lower center",
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.42 / height, 1, 1))
+    return fig
+
+
+__all__ += ["plot_breakdown", "BREAKDOWN_COLORS"]

@@ -184,6 +184,45 @@ def packed_regime(root=None, device_type: str = "cuda") -> list[dict]:
     return out
 
 
+def experts_profile(root=None, device_type: str = "cuda") -> dict | None:
+    """The newest committed experts profile (``benchmarks/experts_profile.py``): one MoE layer's experts against the
+    grouped matmuls alone, per preset and token count; None if there is none."""
+    docs = load_results("moe-experts-profile", root=root, device_type=device_type)
+    return docs[0] if docs else None
+
+
+def experts_profile_rows(doc: dict) -> list[dict]:
+    """Per case of an experts profile: the limit, each implementation's step and its ratio to the limit, and the
+    GPU time of the grouped matmul kernels inside sync_free's step (what the limit is made of there)."""
+    rows = []
+    for case in doc["cases"]:
+        by = {r["name"]: r for r in case["rows"]}
+        limit = (by.get("expert matmuls alone", {}).get("step_ms") or {}).get("median")
+        row = {"preset": case["preset"], "tokens": case["tokens"], "limit_ms": limit}
+        for name, r in by.items():
+            if name == "expert matmuls alone" or not r.get("step_ms"):
+                continue
+            ms = r["step_ms"]["median"]
+            row[name] = {"step_ms": ms, "vs_limit": ms / limit if limit else None}
+            prof = r.get("profile_step") or {}
+            gmm = sum(o["ms"] for o in prof.get("ops", []) if o["name"] == "aten::_grouped_mm")
+            if gmm and prof.get("gpu_busy_ms"):
+                row[name].update(gpu_busy_ms=prof["gpu_busy_ms"], grouped_mm_ms=gmm)
+        rows.append(row)
+    return rows
+
+
+def breakdown_results(root=None, device_type: str | None = "cuda") -> list[dict]:
+    """The newest run's breakdown results (``bench --only breakdown``), one per (model, depth, tokens, kernels), in
+    the order model, then kernels ``none`` before ``liger``."""
+    docs = newest_per_config(load_results("breakdown", root=root, device_type=device_type, newest_run=True),
+                             key=lambda d: (d["config"]["model"], d["config"].get("num_layers"),
+                                            d["config"].get("tokens_per_step"), d["config"].get("kernels")))
+    return sorted(docs, key=lambda d: (d["config"]["model"], d["config"].get("kernels") != "none"))
+
+
 __all__ = ["all_results", "load_results", "run_of", "newest_per_config", "describe_run", "build_index",
            "write_index", "offload_results", "packed_regime", "step_spread", "unsettled", "UNSETTLED_SPREAD",
            "repo_results_dir", "INDEX"]
+__all__.append("breakdown_results")
+__all__ += ["experts_profile", "experts_profile_rows"]

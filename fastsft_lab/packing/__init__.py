@@ -15,6 +15,10 @@ Usage::
     batch = PackedCollator(max_tokens=4096, pad_token_id=0)(examples)
     loss = model(**batch).loss                               # batch holds packed_metadata=PackedMetadata(...)
 
+Off the critical path: ``PackedCollator(..., prebuild="flex")`` builds the metadata's host side (cu_seqlens,
+position ids, flex's block tables) in the DataLoader workers; ``DataLoader(num_workers=N, pin_memory=True)`` pins
+it, and the step only queues non-blocking copies (:meth:`PackedMetadata.to`).
+
 Layout: ``metadata.py`` (the host-built object), ``registry.py`` (one record per backend, the attention function
 transformers calls), ``backends/<name>.py`` (per backend: the cached builder, the naive per-layer builder with the
 syncs it pays, and the kernel, side by side), ``switch.py`` (on a live model), ``collator.py`` (TRL).
@@ -29,7 +33,7 @@ from . import backends  # noqa: F401  (registers every backend, once)
 from .collator import PackedCollator, packed_inputs
 from .metadata import DeviceTensors, PackedMetadata, normalize_row_lengths
 from .registry import (NAIVE_BUILDS, Backend, BackendStatus, MaskSpec, attn_implementation_name, available_backends,
-                       backend_names, get_backend, prepare_metadata, register_backend)
+                       backend_names, get_backend, prebuild_metadata, prepare_metadata, register_backend)
 from .switch import (check_packed_backend, disable_packed_attention, enable_packed_attention, packed_attention_state,
                      set_packed_metadata_cache)
 
@@ -39,6 +43,7 @@ ATTN_NAMES = {name: get_backend(name).attn_name for name in BACKENDS}
 __all__ = [
     "PackedMetadata", "DeviceTensors", "normalize_row_lengths", "PackedCollator", "packed_inputs", "Backend",
     "BackendStatus", "MaskSpec", "BACKENDS", "ATTN_NAMES", "NAIVE_BUILDS", "register_backend", "get_backend",
-    "backend_names", "available_backends", "attn_implementation_name", "prepare_metadata", "enable_packed_attention",
-    "disable_packed_attention", "set_packed_metadata_cache", "packed_attention_state", "check_packed_backend",
+    "backend_names", "available_backends", "attn_implementation_name", "prepare_metadata", "prebuild_metadata",
+    "enable_packed_attention", "disable_packed_attention", "set_packed_metadata_cache", "packed_attention_state",
+    "check_packed_backend",
 ]

@@ -9,6 +9,12 @@ Device tensors are made lazily on first use with one pinned, non-blocking copy p
 object is built once and cached under a key of what changes it (backend, device, dtype, window); the backends
 (``fastsft_lab.packing.backends``) say how to build them. The object is frozen: editing a batch's tensors in place
 cannot serve a stale mask (a cache keyed on a tensor's identity can).
+
+Off the critical path: :func:`fastsft_lab.packing.prebuild_metadata` (what ``PackedCollator(prebuild=...)`` calls in
+a DataLoader worker) builds the host side of everything the layers will need -- cu_seqlens, segment and position
+ids, a backend's host tables -- as CPU tensors that pickle to the main process with the batch.
+``DataLoader(pin_memory=True)`` pins them (its pin-memory thread calls :meth:`PackedMetadata.pin_memory`), and on
+the device the step only queues non-blocking copies (:meth:`PackedMetadata.to`, or the first layer's lookup).
 """
 
 from __future__ import annotations
@@ -116,6 +122,12 @@ class PackedMetadata:
         meta = PackedMetadata.from_lengths([[3, 5, 2]])
         meta.cu_seqlens            # (0, 3, 8, 10), host ints
         meta.tensors("cuda")       # one pinned non-blocking copy, then cached
+
+    Prebuilt (host parts made by :func:`~fastsft_lab.packing.prebuild_metadata`, e.g. in a DataLoader worker)::
+
+        meta = prebuild_metadata(PackedMetadata.from_lengths([[3, 5, 2]]), "flex")
+        meta = meta.pin_memory()   # what DataLoader(pin_memory=True) does
+        meta.to("cuda")            # only non-blocking copies: no host work, no sync; the layers find it all cached
     """
 
     seq_lengths: tuple[tuple[int, ...], ...]
@@ -125,6 +137,7 @@ class PackedMetadata:
     cu_seqlens: tuple[int, ...] = field(init=False)   # (0, l0, l0+l1, ..., N)
     max_seqlen: int = field(init=False)
     _cache: dict = field(init=False, repr=False)
+    _host: dict = field(init=False, repr=False)       # prebuilt host parts: key -> CPU tensor(s) (see put_host)
     builds: Counter = field(init=False, repr=False)   # backend objects built, per kind (tests count them)
 
     def __post_init__(self) -> None:
@@ -150,6 +163,7 @@ class PackedMetadata:
         object.__setattr__(self, "cu_seqlens", tuple(cu))
         object.__setattr__(self, "max_seqlen", max(lengths))
         object.__setattr__(self, "_cache", {})
+        object.__setattr__(self, "_host", {})
         object.__setattr__(self, "builds", Counter())
 
     # -- constructors
@@ -231,18 +245,85 @@ class PackedMetadata:
         return len(self.lengths)
 
     def __repr__(self) -> str:
+        host = f", prebuilt={sorted(map(str, self._host))}" if self._host else ""
         return (f"PackedMetadata(rows={self.num_rows}, row_tokens={self.row_tokens}, segments={self.num_segments}, "
-                f"max_seqlen={self.max_seqlen}, cached={sorted(map(str, self._cache))})")
+                f"max_seqlen={self.max_seqlen}, cached={sorted(map(str, self._cache))}{host})")
 
     def __getstate__(self):
-        # Device tensors and backend objects stay where they were built (pickling is for DataLoader workers).
-        return {"seq_lengths": self.seq_lengths, "row_tokens": self.row_tokens, "pad_lengths": self.pad_lengths}
+        # Device tensors and backend objects stay where they were built; the prebuilt host parts travel (pickling
+        # is for DataLoader workers, whose queues move CPU tensors through shared memory).
+        return {"seq_lengths": self.seq_lengths, "row_tokens": self.row_tokens, "pad_lengths": self.pad_lengths,
+                "host": dict(self._host)}
 
     def __setstate__(self, state):
         object.__setattr__(self, "seq_lengths", state["seq_lengths"])
         object.__setattr__(self, "row_tokens", state["row_tokens"])
         object.__setattr__(self, "pad_lengths", state.get("pad_lengths"))
         self.__post_init__()
+        self._host.update(state.get("host") or {})
+
+    # -- prebuilt host parts (built off the critical path, e.g. in a DataLoader worker)
+    def put_host(self, key: tuple, part) -> None:
+        """Store a host part under ``key`` (``key[0]`` names its kind): a CPU tensor or a tuple of them, which
+        :meth:`host_part` copies to a device, or an object with ``.to(device)``. Host parts describe this batch's
+        lengths only, so they never go stale; the backends' builders look them up before building anything."""
+        if not isinstance(key, tuple) or not key:
+            raise ValueError(f"a host part's key must be a non-empty tuple, got {key!r}")
+        for t in _tensors_of(part):
+            if t.device.type != "cpu":
+                raise ValueError(f"host part {key!r} holds a tensor on {t.device}; host parts are CPU tensors")
+        self._host[key] = part
+
+    @property
+    def prebuilt(self) -> tuple:
+        """The keys of the host parts prebuilt for this batch (empty: everything is built lazily, in the step)."""
+        return tuple(self._host)
+
+    def is_pinned(self) -> bool:
+        """True if every prebuilt host tensor is in pinned memory (False when nothing is prebuilt)."""
+        tensors = [t for part in self._host.values() for t in _tensors_of(part)]
+        return bool(tensors) and all(t.is_pinned() for t in tensors)
+
+    def pin_memory(self, device=None) -> "PackedMetadata":
+        """A copy whose prebuilt host tensors are pinned (page-locked), so copies to the GPU are truly asynchronous.
+
+        ``DataLoader(pin_memory=True)`` calls it from its pin-memory thread (``torch.utils.data`` pins any object
+        with a ``pin_memory()`` method), the only place pinning is allowed: DataLoader workers may not touch CUDA.
+        Host parts that are objects (an xFormers bias) are kept as they are.
+        """
+        clone = PackedMetadata.__new__(PackedMetadata)
+        clone.__setstate__({**self.__getstate__(), "host": {k: _map_tensors(p, lambda t: t if t.is_pinned() else
+                                                                            t.pin_memory())
+                                                            for k, p in self._host.items()}})
+        return clone
+
+    def host_part(self, key: tuple, device: torch.device | str):
+        """The prebuilt host part ``key`` on ``device`` (one non-blocking copy per tensor, then cached), or None
+        when it was not prebuilt. On the CPU it is the host part itself."""
+        part = self._host.get(key)
+        if part is None:
+            return None
+        device = norm_device(device)
+        if device.type == "cpu":
+            return part
+        return self.cached(("host", device) + key, lambda: _part_to(part, device))
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> "PackedMetadata":
+        """Queue the copies of every prebuilt host part (and the shared tensors) to ``device``; returns ``self``.
+
+        What the step pays with prebuilt, pinned metadata: a few ``cudaMemcpyAsync`` calls, no host-side building
+        and no sync; the backends' objects are then assembled from the copies (Python only) by the first layer that
+        asks. Without prebuilt parts it builds :meth:`tensors` now instead of in the first layer. Copies are always
+        asynchronous: ``non_blocking`` is accepted for the ``Tensor.to`` signature (accelerate's ``send_to_device``
+        calls ``.to(device, non_blocking=...)`` on the batch), and a blocking copy would only add a host sync --
+        only kernels queued after it on the same stream read the copies, and the pinned sources stay alive with
+        this object.
+        """
+        device = norm_device(device)
+        for key in self._host:
+            self.host_part(key, device)
+        self.tensors(device)
+        return self
 
     def check_shape(self, rows: int, tokens: int) -> None:
         """Raise if this metadata does not describe a (rows, tokens) batch (host ints only: no sync)."""
@@ -281,6 +362,9 @@ class PackedMetadata:
         return self.cached(("real_tokens", device), build)
 
     def _build_tensors(self, device: torch.device) -> DeviceTensors:
+        prebuilt = self.host_part(HOST_TENSORS, device)
+        if prebuilt is not None:
+            return DeviceTensors(*prebuilt)
         n, s = self.num_tokens, self.num_segments
         host = torch.tensor(self.cu_seqlens, dtype=torch.int32)
         if device.type == "cuda":
@@ -294,5 +378,45 @@ class PackedMetadata:
         position_ids = (torch.arange(n, device=device) - starts[seq_ids]).view(self.num_rows, self.row_tokens)
         return DeviceTensors(cu, seq_ids, position_ids)
 
+    def build_host_tensors(self) -> None:
+        """Prebuild :meth:`tensors`' cu_seqlens, seq_ids and position_ids on the host (the same values: the same
+        code, run on the CPU), so that on a device they are only copied."""
+        if HOST_TENSORS not in self._host:
+            t = self._build_tensors(torch.device("cpu"))
+            self.put_host(HOST_TENSORS, (t.cu_seqlens, t.seq_ids, t.position_ids.contiguous()))
 
-__all__ = ["PackedMetadata", "DeviceTensors", "normalize_row_lengths", "norm_window", "norm_device"]
+
+HOST_TENSORS = ("tensors",)   # the host-part key of the shared tensors (cu_seqlens, seq_ids, position_ids)
+
+
+def _tensors_of(part) -> list[torch.Tensor]:
+    if isinstance(part, torch.Tensor):
+        return [part]
+    if isinstance(part, tuple):
+        return [t for p in part for t in _tensors_of(p)]
+    return []
+
+
+def _map_tensors(part, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """``fn`` on every tensor of a host part (a tensor, a tuple of parts, or an object with ``.to``)."""
+    if isinstance(part, torch.Tensor):
+        return fn(part)
+    if isinstance(part, tuple):
+        return tuple(_map_tensors(p, fn) for p in part)
+    return part
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda" and not t.is_pinned():
+        t = t.pin_memory()   # not pinned by a DataLoader: pin here, as the lazy path does, so the copy stays async
+    return t.to(device, non_blocking=True)
+
+
+def _part_to(part, device: torch.device):
+    """A host part on ``device``: its tensors copied (non-blocking), an object moved by its own ``.to``."""
+    if isinstance(part, (torch.Tensor, tuple)):
+        return _map_tensors(part, lambda t: _to_device(t, device))
+    return part.to(device)
+
+
+__all__ = ["PackedMetadata", "DeviceTensors", "normalize_row_lengths", "norm_window", "norm_device", "HOST_TENSORS"]

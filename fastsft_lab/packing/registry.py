@@ -64,6 +64,11 @@ class Backend:
         kernel: ``(q, k, v, obj, *, scale, dropout, sinks, window, training) -> (out (B, T, H, D), weights)``.
         status: ``(device) -> BackendStatus``.
         description: one line for tables.
+        host: ``(meta, window) -> part``: the host-side part of ``cached`` that follows from the lengths alone (CPU
+            tensors; see :meth:`PackedMetadata.put_host`), built by :func:`prebuild_metadata` off the critical path
+            (a DataLoader worker); ``cached`` then only copies and assembles it. None: the shared cu_seqlens /
+            seq_ids / position_ids are all the host side there is (sdpa, eager: their T x T masks are built on the
+            device from seq_ids, since shipping 2 T^2 bytes per batch would cost more than building them).
     """
 
     name: str
@@ -74,6 +79,7 @@ class Backend:
     kernel: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
     status: Callable[[torch.device], BackendStatus]
     description: str = ""
+    host: Callable[[PackedMetadata, int | None], Any] | None = None
 
 
 _BACKENDS: dict[str, Backend] = {}
@@ -128,6 +134,45 @@ def available_backends(device: torch.device | str | None = None) -> dict[str, Ba
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return dict(_status(torch.device(device).type))
+
+
+def prebuild_backends(backends) -> tuple[str, ...]:
+    """``backends`` (a name or names) as a tuple of registered names; a one-line ``ValueError`` lists the valid
+    ones."""
+    names = (backends,) if isinstance(backends, str) else backends
+    try:
+        names = tuple(names)
+    except TypeError:
+        names = (backends,)
+    bad = [n for n in names if n not in _BACKENDS]
+    if bad or not names:
+        raise ValueError(f"prebuild takes packed-attention backend names, got {backends!r}; valid: "
+                         f"{', '.join(_BACKENDS)}")
+    return tuple(dict.fromkeys(names))
+
+
+def prebuild_metadata(meta: PackedMetadata, backends, *, windows=(None,)) -> PackedMetadata:
+    """Build on the host everything ``backends`` will need from ``meta`` (no device, no sync); returns ``meta``.
+
+    The shared tensors (cu_seqlens, seq_ids, position_ids) and each backend's :attr:`Backend.host` part per sliding
+    window in ``windows`` (None: full attention; GPT-OSS: ``(None, config.sliding_window)``), as CPU tensors that
+    pickle with the batch. Meant for DataLoader workers (``PackedCollator(prebuild=...)``): the step then only
+    copies them to the device (:meth:`PackedMetadata.to`). A window that was not prebuilt is built lazily, in the
+    step, as without prebuilding: never a wrong mask, only a slower one.
+    """
+    names = prebuild_backends(backends)
+    ws = tuple(dict.fromkeys(norm_window(w, meta.row_tokens) for w in windows))
+    meta.build_host_tensors()
+    for name in names:
+        b = _BACKENDS[name]
+        if b.host is None:
+            continue
+        for w in ws:
+            if (name, w) not in meta.prebuilt:
+                part = b.host(meta, w)
+                if part is not None:
+                    meta.put_host((name, w), part)
+    return meta
 
 
 def prepare_metadata(meta: PackedMetadata, device, *, backend: str, dtype: torch.dtype = torch.float32,
@@ -210,4 +255,5 @@ def packed_attention(name: str, module: nn.Module, query: torch.Tensor, key: tor
 
 
 __all__ = ["Backend", "BackendStatus", "NAIVE_BUILDS", "IGNORED_KWARGS", "check_attention_kwargs", "MaskSpec", "register_backend", "get_backend", "backend_names",
-           "attn_implementation_name", "available_backends", "prepare_metadata", "packed_attention"]
+           "attn_implementation_name", "available_backends", "prepare_metadata", "prebuild_metadata",
+           "prebuild_backends", "packed_attention"]

@@ -309,6 +309,41 @@ for op in prof.top_ops:
     print(f"{op['self_ms']:9.2f} ms {op['self_ms'] / total:6.1%}  {op['calls']:5d} calls  {op['name'][:70]}")
 '''),
 ("md", r'''
+## Where the time goes: the all-fast step at full depth
+The committed runs of `python -m fastsft_lab bench --only breakdown`: the all-fast step of both models at all their
+layers (8192 tokens; stock kernels and the Liger floor) under `torch.profiler`, its device time split by who
+launched each kernel -- the innermost module scope (forward, and the checkpoint recompute), or in the backward the
+forward op that created the autograd node (its sequence number). Attention, MoE experts, dense matmuls (NF4 dequant
+apart), LoRA, loss + LM head, norms & elementwise, copies & offload, optimizer, other, and idle (no kernel running
+on any stream) sum to the profiled step (`fastsft_lab.lab.breakdown` says how each is found). The largest part is
+the next bottleneck. Without a committed run, the cell runs the smoke breakdown of the tiny models live: on a CPU
+the parts are host ops' self time and idle is Python between ops, not GPU idleness.
+'''),
+("code", r'''
+import contextlib, io, tempfile
+from fastsft_lab.lab.breakdown import describe_bottleneck, format_breakdown
+from fastsft_lab.lab.scenarios import run_scenario
+
+breakdowns = results.breakdown_results()
+if not breakdowns:
+    print("No committed GPU run of the breakdown scenario yet (python -m fastsft_lab bench --only breakdown): "
+          f"the smoke breakdown of the tiny models, live on {DEVICE}, instead.")
+    with contextlib.redirect_stdout(io.StringIO()):
+        breakdowns = run_scenario("breakdown", device=DEVICE, smoke=True, out_dir=tempfile.mkdtemp(), progress=False)
+for doc in breakdowns:
+    c, bd = doc["config"], doc["breakdown"]
+    where = results.describe_run(doc) if "_path" in doc else f"live, {DEVICE}"
+    print(f"\n{c['model']} x{c['num_layers']} | {c['tokens_per_step']} tokens | kernels: {c['kernels']} | {where}")
+    if bd is None:
+        print(f"  all fast failed: {doc['variants'][0].get('error')}")
+        continue
+    print(f"step {doc['variants'][0]['step_ms']['median']:.1f} ms without the profiler, {bd['step_ms']:.1f} ms under it")
+    print(format_breakdown(bd))
+    print(describe_bottleneck(bd))
+fig = plots.plot_breakdown(breakdowns)
+display(fig); plt.close(fig)
+'''),
+("md", r'''
 ## Summary
 - Together, the three fixes remove every host sync from the step and keep the numbers (equivalence per fix in
   notebooks 01–03; loss curves here). How much time that buys depends on what else the step does: the waterfall

@@ -1,11 +1,15 @@
 """The benchmark scenarios, one file each (``python -m fastsft_lab bench --only NAME``)."""
 
+from .breakdown import BreakdownScenario
 from .combined import CombinedScenario
 from .moe import MoeScenario
 from .offload import OffloadScenario
+from .offload_link import OffloadLinkScenario
 from .packed import PackedScenario
 
 SCENARIOS = {s.name: s for s in (PackedScenario(), OffloadScenario(), MoeScenario(), CombinedScenario())}
+SCENARIOS[BreakdownScenario.name] = BreakdownScenario()      # after combined, whose models and variant it reuses
+SCENARIOS[OffloadLinkScenario.name] = OffloadLinkScenario()  # after offload, whose variants it reuses
 
 __all__ = ["SCENARIOS", "PackedScenario", "OffloadScenario", "MoeScenario", "CombinedScenario"]
 

@@ -4,6 +4,9 @@
   alone (:func:`host_block_tables`), so the cached path runs no ``mask_mod`` over T x T positions, compiles nothing
   and reads nothing from the device: one pinned, non-blocking copy of the tables, then
   ``BlockMask.from_kv_blocks`` derives the transposed (backward) tables on the device.
+* prebuilt (:func:`host_block_mask_tables`, the backend's ``host`` part, e.g. in a DataLoader worker): all eight
+  tables, the backward ones included, on the host; in the step one non-blocking copy and a ``BlockMask`` assembled
+  from views of it (no kernel, no host-side table work).
 * naive: :func:`naive_block_mask`, segment ids by transformers' packed-sequence rule (with its "is this packed?"
   check: 1 sync per layer) and ``create_block_mask`` in every layer, compiled on CUDA as transformers does (a T x T
   reduction compiled for every new shape: minutes of Triton compilation for a first 16k-token row).
@@ -110,8 +113,35 @@ def _padded_ids(ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([ids, ids.new_full((rows, padded - t), -1)], dim=1)
 
 
+def _transpose_ordered():
+    try:
+        from torch.nn.attention.flex_attention import _transpose_ordered as transpose
+    except ImportError:   # a torch without it: the backward tables are derived on the device, by from_kv_blocks
+        return None
+    return transpose
+
+
+def host_block_mask_tables(meta: PackedMetadata, window: int | None) -> torch.Tensor | None:
+    """Every table of ``meta``'s BlockMask on the host, flattened into one int32 CPU tensor: the forward tables of
+    :func:`host_block_tables`, then the backward (q-side) ones, by torch's own ``_transpose_ordered`` -- what
+    ``BlockMask.from_kv_blocks`` runs on the device in the lazy path, so the values are the same."""
+    transpose = _transpose_ordered()
+    if transpose is None:
+        return None
+    pn, pi, fn, fi = host_block_tables(meta.seq_lengths, meta.row_tokens, norm_window(window, meta.row_tokens))
+    tables = (pn, pi, fn, fi, *transpose(pn, pi), *transpose(fn, fi))
+    return torch.cat([x.reshape(-1).to(torch.int32) for x in tables])
+
+
+def _split_tables(flat: torch.Tensor, rows: int, nb: int) -> list[torch.Tensor]:
+    """The flat tables back as (rows, 1, nb) counts and (rows, 1, nb, nb) indices, alternating (views, no copy)."""
+    parts = torch.split(flat, [rows * nb, rows * nb * nb] * (flat.numel() // (rows * nb * (nb + 1))))
+    return [p.view(rows, 1, nb) if i % 2 == 0 else p.view(rows, 1, nb, nb) for i, p in enumerate(parts)]
+
+
 def block_mask(meta: PackedMetadata, device, window: int | None = None):
-    """The cached path: ``meta``'s flex ``BlockMask``, its block structure computed on the host (see module doc)."""
+    """The cached path: ``meta``'s flex ``BlockMask``, its block structure computed on the host (see module doc);
+    from the prebuilt tables when ``meta`` has them (:func:`~fastsft_lab.packing.prebuild_metadata`)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     window = norm_window(window, meta.row_tokens)
@@ -120,16 +150,21 @@ def block_mask(meta: PackedMetadata, device, window: int | None = None):
     def build():
         rows, t = meta.shape
         nb = round_up(t, FLEX_BLOCK) // FLEX_BLOCK
+        ids = _padded_ids(meta.tensors(device).seq_ids.view(meta.shape))
+        padded = (nb * FLEX_BLOCK,) * 2
+        prebuilt = meta.host_part(("flex", window), device)
+        if prebuilt is not None:
+            pn, pi, fn, fi, qn, qi, fqn, fqi = _split_tables(prebuilt, rows, nb)
+            return BlockMask(padded, pn, pi, fn, fi, qn, qi, fqn, fqi, BLOCK_SIZE=(FLEX_BLOCK, FLEX_BLOCK),
+                             mask_mod=mask_mod_for(ids, window))
         partial_num, partial_idx, full_num, full_idx = host_block_tables(meta.seq_lengths, t, window)
         flat = torch.cat([x.reshape(-1) for x in (partial_num, partial_idx, full_num, full_idx)])
         if device.type == "cuda":
             flat = flat.pin_memory()
         flat = flat.to(device, non_blocking=True)
-        pn, pi, fn, fi = torch.split(flat, [rows * nb, rows * nb * nb, rows * nb, rows * nb * nb])
-        ids = _padded_ids(meta.tensors(device).seq_ids.view(meta.shape))
-        return BlockMask.from_kv_blocks(pn.view(rows, 1, nb), pi.view(rows, 1, nb, nb), fn.view(rows, 1, nb),
-                                        fi.view(rows, 1, nb, nb), BLOCK_SIZE=FLEX_BLOCK,
-                                        mask_mod=mask_mod_for(ids, window), seq_lengths=(nb * FLEX_BLOCK,) * 2)
+        pn, pi, fn, fi = _split_tables(flat, rows, nb)
+        return BlockMask.from_kv_blocks(pn, pi, fn, fi, BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod_for(ids, window),
+                                        seq_lengths=padded)
 
     return meta.cached(("block_mask", device, window), build)
 
@@ -296,8 +331,9 @@ BACKEND = register_backend(Backend(
     naive_syncs="1 (transformers' packed check) + create_block_mask in every layer",
     kernel=_kernel, status=_status,
     description="flex attention + BlockMask (compiled)",
+    host=host_block_mask_tables,
 ))
 
-__all__ = ["block_mask", "naive_block_mask", "block_mask_from_ids", "host_block_tables", "mask_mod_for",
-           "flex_attention_packed", "compiled_flex", "compile_headroom", "FLEX_BLOCK", "FLEX_RECOMPILE_LIMIT",
-           "BACKEND"]
+__all__ = ["block_mask", "host_block_mask_tables", "naive_block_mask", "block_mask_from_ids", "host_block_tables",
+           "mask_mod_for", "flex_attention_packed", "compiled_flex", "compile_headroom", "FLEX_BLOCK",
+           "FLEX_RECOMPILE_LIMIT", "BACKEND"]

@@ -3,6 +3,8 @@
 * cached: :func:`xformers_bias`, the bias over all segments (rows concatenated), local if windowed.
 * naive: :func:`naive_xformers_bias`, rebuilt in the layer: ``nonzero`` and ``tolist()`` (2 syncs per layer).
 * kernel: :func:`xformers_attention` (no attention sinks).
+* prebuilt (:func:`host_xformers_bias`, e.g. in a DataLoader worker): the bias built on the CPU; in the step
+  xFormers' own ``.to(device)`` copies its one small ``seqstart`` tensor.
 
 Where the xformers wheel imports but its CUDA extensions do not load (built for another torch), the masks still
 build and :func:`available_backends` says why the kernel cannot run.
@@ -30,11 +32,30 @@ def _bias(lengths: list[int], window: int | None, device: torch.device):
     return bias
 
 
+def host_xformers_bias(meta: PackedMetadata, window: int | None):
+    """The bias of :func:`xformers_bias` built on the CPU (a DataLoader worker must not touch CUDA, and xFormers
+    builds on CUDA by default); None where xformers is missing or too old to take ``device=``."""
+    try:
+        with quiet_logger("xformers"):
+            from xformers.ops.fmha.attn_bias import BlockDiagonalCausalMask
+        bias = BlockDiagonalCausalMask.from_seqlens(list(meta.lengths), device=torch.device("cpu"))
+    except (ImportError, TypeError):
+        return None
+    window = norm_window(window, meta.row_tokens)
+    return bias if window is None else bias.make_local_attention(window)
+
+
 def xformers_bias(meta: PackedMetadata, device, window: int | None = None):
-    """The cached path: an xFormers ``BlockDiagonalCausalMask`` over all of ``meta``'s segments."""
+    """The cached path: an xFormers ``BlockDiagonalCausalMask`` over all of ``meta``'s segments (moved from the
+    prebuilt CPU bias when ``meta`` has one)."""
     window = norm_window(window, meta.row_tokens)
     device = norm_device(device)
-    return meta.cached(("xformers", device, window), lambda: _bias(list(meta.lengths), window, device))
+
+    def build():
+        prebuilt = meta.host_part(("xformers", window), device)
+        return prebuilt if prebuilt is not None else _bias(list(meta.lengths), window, device)
+
+    return meta.cached(("xformers", device, window), build)
 
 
 def naive_xformers_bias(position_ids: torch.Tensor, window: int | None = None):
@@ -113,6 +134,7 @@ BACKEND = register_backend(Backend(
     naive_syncs="2 (nonzero, tolist())",
     kernel=_kernel, status=_status,
     description="xFormers memory-efficient attention + BlockDiagonalCausalMask",
+    host=host_xformers_bias,
 ))
 
-__all__ = ["xformers_bias", "naive_xformers_bias", "xformers_attention", "BACKEND"]
+__all__ = ["xformers_bias", "host_xformers_bias", "naive_xformers_bias", "xformers_attention", "BACKEND"]
