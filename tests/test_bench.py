@@ -83,6 +83,18 @@ def test_cli_set_parsing():
         parse_sets(["nosuch.tokens=4"])
 
 
+def test_the_word_none_is_a_string_for_string_options():
+    # `--set combined.kernels=none` parses to None; a strs/str option takes it as the word, a str? option as None
+    from fastsft_lab.lab.scenario import _coerce
+
+    assert _coerce("kernels", "strs", parse_sets(["combined.kernels=none"])["combined"]["kernels"]) == ["none"]
+    assert _coerce("kernels", "strs", [None, "liger"]) == ["none", "liger"]
+    assert _coerce("variants", "str", None) == "none"
+    assert _coerce("quant", "str?", None) is None
+    with pytest.raises(Exception):
+        _coerce("steps", "int", None)
+
+
 def test_cli_bench_runs_a_scenario_end_to_end(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["bench", "--only", "moe", "--smoke", "--device", "cpu", "--out", str(out), "--quiet",

@@ -505,3 +505,38 @@ def plot_breakdown(results: Sequence[dict], *, min_label: float = 0.04):
 
 
 __all__ += ["plot_breakdown", "BREAKDOWN_COLORS"]
+
+
+def plot_experts_profile(doc: dict):
+    """One MoE layer's experts (``benchmarks/experts_profile.py``): per preset and token count, forward + backward ms
+    of the grouped matmuls alone (the limit), sync_free, and sync_free with every fused kernel off; each bar labelled
+    with its ratio to the limit."""
+    from .results import experts_profile_rows
+
+    plt = _plt()
+    rows = experts_profile_rows(doc)
+    bars = [("expert matmuls alone", None, "#55A868"), ("sync_free", "sync_free", "#4C72B0"),
+            ("sync_free, eager glue", "sync_free:eager_glue", "#C44E52")]
+    fig, ax = plt.subplots(figsize=(10, 3.6))
+    width = 0.8 / len(bars)
+    for i, (label, key, color) in enumerate(bars):
+        xs, ys = [], []
+        for j, r in enumerate(rows):
+            ms = r["limit_ms"] if key is None else (r.get(key) or {}).get("step_ms")
+            if ms is None:
+                continue
+            xs.append(j + (i - 1) * width)
+            ys.append(ms)
+            if key is not None and r["limit_ms"]:
+                ax.text(j + (i - 1) * width, ms, f"{ms / r['limit_ms']:.2f}x", ha="center", va="bottom", fontsize=7)
+        ax.bar(xs, ys, width=width, color=color, label=label)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([f"{r['preset']}\n{r['tokens']} tokens" for r in rows], fontsize=8)
+    ax.set_ylabel("forward + backward, ms")
+    ax.set_title(f"one MoE layer's experts against the grouped matmuls alone | {_where(doc)}", fontsize=9)
+    ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+__all__.append("plot_experts_profile")

@@ -48,10 +48,7 @@ def _depth(c: dict) -> str:
 
 
 def combined_table() -> str:
-    # the newest measurement of each configuration (model, depth, tokens, kernels): a later run at another depth
-    # does not hide the full-depth headline
-    docs = R.newest_per_config(R.load_results("combined"), lambda d: (
-        d["config"]["model"], d["config"]["num_layers"], d["config"]["tokens_per_step"], d["config"]["kernels"]))
+    docs = R.combined_results()
     if not docs:
         return "_No committed GPU run of the combined scenario yet (`python -m fastsft_lab bench --only combined`)._"
     out = []

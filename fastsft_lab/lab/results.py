@@ -184,6 +184,13 @@ def packed_regime(root=None, device_type: str = "cuda") -> list[dict]:
     return out
 
 
+def combined_results(root=None, device_type: str = "cuda") -> list[dict]:
+    """The newest committed result of each combined configuration (model, depth, tokens, kernels), across runs: a
+    later run at another depth does not hide the full-depth headline. Each names its run (``run_of``)."""
+    return newest_per_config(load_results("combined", root=root, device_type=device_type), lambda d: (
+        d["config"]["model"], d["config"]["num_layers"], d["config"]["tokens_per_step"], d["config"]["kernels"]))
+
+
 def experts_profile(root=None, device_type: str = "cuda") -> dict | None:
     """The newest committed experts profile (``benchmarks/experts_profile.py``): one MoE layer's experts against the
     grouped matmuls alone, per preset and token count; None if there is none."""
@@ -225,4 +232,4 @@ __all__ = ["all_results", "load_results", "run_of", "newest_per_config", "descri
            "write_index", "offload_results", "packed_regime", "step_spread", "unsettled", "UNSETTLED_SPREAD",
            "repo_results_dir", "INDEX"]
 __all__.append("breakdown_results")
-__all__ += ["experts_profile", "experts_profile_rows"]
+__all__ += ["experts_profile", "experts_profile_rows", "combined_results"]

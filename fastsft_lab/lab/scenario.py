@@ -45,9 +45,11 @@ def _coerce(name: str, kind: str, value: Any) -> Any:
             if not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
                 raise bad("integers (comma-separated)")
             return [int(v) for v in items]
-        return [str(v) for v in items]
+        return ["none" if v is None else str(v) for v in items]   # the CLI reads the word "none" as None
     optional = kind.endswith("?")
     base = kind.rstrip("?")
+    if value is None and kind == "str":
+        return "none"
     if value is None:
         if optional:
             return None

@@ -356,6 +356,34 @@ for r in gpu_results:
     display(fig); plt.close(fig)
 '''),
 ("md", r'''
+### Closer to the limit: the glue around the grouped matmuls
+With the syncs gone, what is left between sync_free and the two grouped matmuls is glue: gathering tokens into
+expert order and back, the gate, the bias, the k-way combine. On CUDA that glue is a few fused Triton kernels
+(`fastsft_lab/moe/kernels.py`, `gate.py`; the eager expressions they replace sit beside them and run on a CPU).
+`benchmarks/experts_profile.py` times one layer's experts with them on and off against the matmuls alone, and
+profiles where the rest goes.
+'''),
+("code", r'''
+prof = results.experts_profile()
+if prof is None:
+    print("No committed experts profile (benchmarks/experts_profile.py on the GPU machine).")
+else:
+    print(f"[{results.describe_run(prof)}] {prof['what']}")
+    for r in results.experts_profile_rows(prof):
+        sf, eg = r.get("sync_free") or {}, r.get("sync_free:eager_glue") or {}
+        print(f"  {r['preset']:14s} {r['tokens']:6d} tok: matmuls alone {r['limit_ms']:6.2f} ms, sync_free "
+              f"{sf.get('step_ms', float('nan')):6.2f} ({sf.get('vs_limit', float('nan')):.2f}x), every fused kernel off "
+              f"{eg.get('step_ms', float('nan')):6.2f} ({eg.get('vs_limit', float('nan')):.2f}x)")
+    case = prof["cases"][0]
+    row = next(r for r in case["rows"] if r["name"] == "sync_free")
+    print(f"\nwhere sync_free's GPU time goes, {case['preset']} {case['tokens']} tokens "
+          f"({row['profile_step']['gpu_busy_ms']:.2f} ms busy per forward + backward):")
+    for o in row["profile_step"]["ops"][:10]:
+        print(f"  {o['ms']:7.3f} ms  {o['name']}")
+    fig = plots.plot_experts_profile(prof)
+    display(fig); plt.close(fig)
+'''),
+("md", r'''
 ## What it costs
 - **`grouped`**: one host read per MoE layer (the offsets), one `torch.cat` of the per-expert outputs, and a loop of
   Python launches per expert — cheap next to a sync, but it grows with the number of experts (Qwen3-30B-A3B has 128).

@@ -60,13 +60,6 @@ class BreakdownScenario(Scenario):
     title = "where the time of the all-fast step goes, at full depth (attention, experts, matmuls, LoRA, ..., idle)"
     Options = BreakdownOptions
 
-    def options(self, device: torch.device, smoke: bool, overrides: dict | None = None, **kw):
-        overrides = dict(overrides or {})
-        if "kernels" in overrides:      # the CLI reads ``--set breakdown.kernels=none`` as None
-            ks = overrides["kernels"] if isinstance(overrides["kernels"], (list, tuple)) else [overrides["kernels"]]
-            overrides["kernels"] = ["none" if k is None else k for k in ks]
-        return super().options(device, smoke, overrides, **kw)
-
     def validate(self, opts: BreakdownOptions, device: torch.device) -> None:
         super().validate(opts, device)
         for m in opts.models:
