@@ -28,7 +28,9 @@ test: $(BIN)/.ready
 	SMOKE=1 MPLBACKEND=Agg $(TEST_CMD)
 
 # the curated mutation run (tests/mutations.py): every named bug in the core logic must fail the tests (~10 min)
+# triton only for the run: the fused kernels' tests run them under Triton's CPU interpreter (skipped without it)
 mutants: $(BIN)/.ready
+	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/python -m pip install -q triton==3.9.0
 	$(BIN)/python tests/mutations.py $(ARGS)
 
 clean:

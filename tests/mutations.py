@@ -122,6 +122,18 @@ MUTATIONS = [
     Mutation("combine-wrong-permutation", M + "grouping.py",
              "y = _RowGather.apply(y_sorted, inv, perm, 1).view(num_tokens, k, -1)",
              "y = _RowGather.apply(y_sorted, perm, inv, 1).view(num_tokens, k, -1)", (TM,)),
+    Mutation("fused-combine-wrong-token", M + "kernels.py",
+             "        t = p // K\n", "        t = p % K\n", (TM, "-k", "interpreted")),
+    Mutation("fused-combine-weights-dropped", M + "kernels.py",
+             "            tile = tile * w[:, None]", "            tile = tile", (TM, "-k", "interpreted")),
+    Mutation("fused-glu-bias-of-the-wrong-column", M + "gate.py",
+             "            u += tl.load(b_ptr + e * 2 * I + 2 * col + 1, mask=mask, other=0.0).to(tl.float32)\n"
+             "        g = tl.minimum(g, limit)",
+             "            u += tl.load(b_ptr + e * 2 * I + 2 * col, mask=mask, other=0.0).to(tl.float32)\n"
+             "        g = tl.minimum(g, limit)", (TM, "-k", "interpreted")),
+    Mutation("fused-swiglu-up-not-offset", M + "gate.py",
+             "        out = g / (1.0 + tl.exp(-g)) * u",
+             "        out = g / (1.0 + tl.exp(-g)) * g", (TM, "-k", "interpreted")),
     Mutation("down-bias-not-added", M + "experts.py",
              "        out = torch.addmm(out, dense.to(out.dtype), self.down_proj_bias.to(out.dtype))",
              "        out = out", (TM,)),

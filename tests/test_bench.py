@@ -119,3 +119,26 @@ def test_cuda_combined_scenario_tiny_runs_every_variant(tmp_path):
         assert not [n for n, v in rows.items() if "error" in v], {n: v["error"] for n, v in rows.items() if "error" in v}
         assert rows["all fast"]["host_syncs_per_step"] == 0
         assert rows["all naive"]["host_syncs_per_step"] > 0
+
+
+def test_every_step_time_gets_tokens_per_second_and_model_flops():
+    from fastsft_lab.data import benchmark_batches
+    from fastsft_lab.lab.flops import batch_flops, peak_flops, step_flops
+    from fastsft_lab.lab.harness import Variant, add_throughput, format_table, make_result, run_variants
+    from fastsft_lab.models import build_model
+
+    model = build_model("tiny-qwen3", device="cpu", dtype=torch.float32)
+    batches = benchmark_batches(tokens_per_step=128, row_tokens=128, steps=2, vocab_size=model.config.vocab_size,
+                                mix="short")
+    rows = run_variants(model, batches, [Variant("plain")], steps=1, warmup=0, progress=False, count_syncs=False)
+    tokens = sum(sum(r) for r in batches[0].seq_lengths)
+    flops = sum(step_flops(model.config, b.seq_lengths)["flops"] for b in batches) / 2
+    r = rows[0]
+    assert r["tokens_per_s"] == round(tokens / (r["step_ms"]["median"] / 1e3), 1)
+    assert r["flops_per_step"] == flops and r["mfu"] is None      # a CPU: no known peak, no MFU claimed
+    assert batch_flops(model.config, batches[0].seq_lengths, "forward") * 3 == \
+        batch_flops(model.config, batches[0].seq_lengths, "train")
+    assert peak_flops("NVIDIA H200") == 989e12 and peak_flops("NVIDIA L4") == 121e12 and peak_flops("NVIDIA L40S") == 362e12
+    fake = [{"name": "x", "step_ms": {"median": 1000.0, "p20": 1000.0, "p80": 1000.0, "n": 1}}]
+    add_throughput(fake, model, batches)
+    assert fake[0]["tokens_per_s"] == tokens and "MFU" in format_table(make_result("t", {}, fake, "cpu"))
