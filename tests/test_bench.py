@@ -142,3 +142,28 @@ def test_every_step_time_gets_tokens_per_second_and_model_flops():
     fake = [{"name": "x", "step_ms": {"median": 1000.0, "p20": 1000.0, "p80": 1000.0, "n": 1}}]
     add_throughput(fake, model, batches)
     assert fake[0]["tokens_per_s"] == tokens and "MFU" in format_table(make_result("t", {}, fake, "cpu"))
+
+
+def test_autocast_runs_the_lora_matmuls_in_bf16_and_is_refused_when_unknown():
+    from fastsft_lab.data import benchmark_batches
+    from fastsft_lab.lab.harness import Variant, run_variants, with_autocast
+    from fastsft_lab.lab.scenario import OptionError
+    from fastsft_lab.lab.scenarios import run_scenario
+    from fastsft_lab.models import LoraSettings, build_model
+
+    model = build_model("tiny-qwen3", device="cpu", dtype=torch.float32, lora=LoraSettings(rank=4))
+    seen = []
+    lora_a = next(m for n, m in model.named_modules() if n.endswith("lora_A.default"))
+    lora_a.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    batches = benchmark_batches(tokens_per_step=128, row_tokens=128, steps=1, vocab_size=model.config.vocab_size,
+                                mix="short")
+    for autocast, want in (("none", torch.float32), ("bf16", torch.bfloat16)):
+        seen.clear()
+        (row,) = run_variants(model, batches, with_autocast([Variant("v")], autocast), steps=1, warmup=0,
+                              progress=False, count_syncs=False)
+        assert "error" not in row and seen and set(seen) == {want}, (autocast, seen)
+        assert row["toggles"].get("autocast", "none") == autocast
+    with pytest.raises(ValueError, match="autocast must be one of"):
+        with_autocast([Variant("v")], "fp8")
+    with pytest.raises(OptionError, match="autocast must be one of"):
+        run_scenario("combined", device="cpu", smoke=True, out_dir="/tmp/unused", autocast="fp8")

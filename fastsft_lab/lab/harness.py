@@ -9,6 +9,7 @@ is not a result.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import json
 import math
@@ -60,6 +61,32 @@ class Variant:
     inputs: Callable[[PackedBatch, Any], dict] = default_inputs
     note: str = ""
     context: Callable[[nn.Module], Any] | None = None
+
+
+AUTOCAST = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def with_autocast(variants: Sequence[Variant], autocast: str) -> list[Variant]:
+    """``variants`` whose forward and backward run under ``torch.autocast(device, dtype)`` (around each variant's own
+    context, if any): what ``Trainer``/``SFTTrainer`` with ``bf16=True`` does. Under it PEFT's float32 adapters
+    run their matmuls in bf16. ``autocast``: none, bf16 or fp16."""
+    if autocast not in AUTOCAST:
+        raise ValueError(f"autocast must be one of {', '.join(AUTOCAST)}, got {autocast!r}")
+    dtype = AUTOCAST[autocast]
+    if dtype is None:
+        return list(variants)
+
+    def wrap(inner):
+        @contextlib.contextmanager
+        def context(model):
+            device_type = next(p for p in model.parameters()).device.type
+            with torch.autocast(device_type, dtype=dtype):
+                with (inner(model) if inner is not None else contextlib.nullcontext()):
+                    yield
+        return context
+
+    return [dataclasses.replace(v, context=wrap(v.context),
+                                toggles=dict(v.toggles, autocast=autocast)) for v in variants]
 
 
 def _forward_loss(model: nn.Module, kwargs: dict) -> torch.Tensor:
@@ -326,4 +353,4 @@ def format_table(result: dict) -> str:
 
 
 __all__ = ["Variant", "default_inputs", "run_step", "make_optimizer", "run_variants", "count_step_syncs",
-           "make_result", "write_json", "format_table", "add_throughput"]
+           "make_result", "write_json", "format_table", "add_throughput", "with_autocast", "AUTOCAST"]

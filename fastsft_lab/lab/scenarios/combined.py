@@ -37,7 +37,7 @@ from ...moe import set_moe_routing
 from ...offload import disable_offloaded_checkpointing, enable_offloaded_checkpointing
 from ...packing import disable_packed_attention, enable_packed_attention, packed_inputs
 from ..flops import peak_flops, step_flops
-from ..harness import Variant, format_table, make_result, run_variants, write_json
+from ..harness import AUTOCAST, Variant, format_table, make_result, run_variants, with_autocast, write_json
 from ..plots import plot_waterfall, save_figure
 from ..scenario import OptionError, Scenario, option
 
@@ -149,6 +149,8 @@ class CombinedOptions:
     tokens: list = option([8192], kind="ints", help="tokens per step")
     moe_row_tokens: int = option(4096, kind="int", help="tokens per packed row for MoE models (dense: one row)")
     kernels: list = option(["none", "liger"], kind="strs", help="none and/or liger (the fast-kernel floor)")
+    autocast: str = option("none", kind="str", help="none, bf16 or fp16: every variant under torch.autocast (what "
+                           "SFTTrainer(bf16=True) does; PEFT's fp32 adapters then run their matmuls in bf16)")
     variants: str = option("all", kind="str", help="all, or core (default, all naive, all fast)")
     backend: str = option("varlen", kind="str", help="packed-attention backend of the packed variants")
     liger_variants: str = option("core", kind="str", help="variant set on the liger build (all or core)")
@@ -181,6 +183,8 @@ class CombinedScenario(Scenario):
                 raise OptionError(f"kernels must be none and/or liger, got {k!r}")
             if k == "liger" and device.type != "cuda":
                 raise OptionError("kernels=liger needs a CUDA GPU (Liger-Kernel is Triton)")
+        if opts.autocast not in AUTOCAST:
+            raise OptionError(f"autocast must be one of {', '.join(AUTOCAST)}, got {opts.autocast!r}")
         from ...packing import BACKENDS
 
         if opts.backend not in BACKENDS:
@@ -222,6 +226,7 @@ class CombinedScenario(Scenario):
         variants = combined_variants(model, is_moe=is_moe, which=which, packed=opts.backend,
                                      trl=device.type == "cuda")
         label = f"{preset.name} {tokens} tok, kernels={kernels}"
+        variants = with_autocast(variants, opts.autocast)
         rows = run_variants(model, batches, variants, steps=opts.steps, warmup=opts.warmup, progress=progress,
                             label=label)
         env = environment(device)
@@ -239,7 +244,8 @@ class CombinedScenario(Scenario):
                   "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "steps": opts.steps,
                   "warmup": opts.warmup, "batch": batches[0].length_stats(), "flops_per_step": mean_flops,
                   "flops_convention": "6 N T + causal attention (fwd + bwd); N = matmul parameters per token",
-                  "peak_flops": peak, "packed_backend": opts.backend, **extra}
+                  "peak_flops": peak, "packed_backend": opts.backend,
+                  "autocast": opts.autocast, **extra}
         result = make_result("combined", config, rows, device,
                              notes="Variants interleaved step by step on the same batches; the first row is 1.00x.")
         by = {r["name"]: r for r in rows if "step_ms" in r}
