@@ -20,15 +20,14 @@ import dataclasses
 import os
 
 import torch
-from torch import nn
 
 from ...data import benchmark_batches
-from ...models import LoraSettings, build_model, get_preset
+from ...models import get_preset
 from ..breakdown import breakdown_variant, describe_bottleneck, format_breakdown
 from ..harness import make_optimizer, make_result, run_variants, write_json
 from ..plots import plot_breakdown, save_figure
 from ..scenario import OptionError, Scenario, option
-from .combined import apply_liger, combined_variants
+from .combined import apply_liger, build_combined_model, combined_variants
 
 
 @dataclasses.dataclass
@@ -81,28 +80,14 @@ class BreakdownScenario(Scenario):
         for model_name in opts.models:
             preset = get_preset(model_name)
             for kernels in opts.kernels:       # none before liger: Liger patches RoPE module-wide
-                model = self._build(preset, opts, device)
+                model = build_combined_model(preset, num_layers=opts.num_layers, lora_rank=opts.lora_rank,
+                                             device=device)
                 extra = {"kernels": kernels, **(apply_liger(model, preset.family) if kernels == "liger" else {})}
                 results.append(self._one(model, preset, opts, extra, device, out_dir, progress))
                 del model
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         return results
-
-    @staticmethod
-    def _build(preset, opts: BreakdownOptions, device: torch.device) -> nn.Module:
-        """The combined scenario's build: NF4 for the real Qwen3, LoRA on all projections (attention only for
-        GPT-OSS), gradient checkpointing, LoRA B drawn away from zero so that the adapters have a gradient path."""
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        quant = "nf4" if preset.family == "qwen3" and preset.real else None
-        targets = None if preset.family == "qwen3" else ["q_proj", "k_proj", "v_proj", "o_proj"]
-        model = build_model(preset.name, device=device, dtype=dtype, quant=quant, num_layers=opts.num_layers,
-                            lora=LoraSettings(rank=opts.lora_rank, target_modules=targets),
-                            gradient_checkpointing=True, attn_implementation=None)
-        for p in model.parameters():
-            if p.requires_grad and p.dim() == 2 and not p.any():
-                nn.init.normal_(p, std=0.01)
-        return model
 
     def _one(self, model, preset, opts: BreakdownOptions, extra: dict, device, out_dir, progress) -> dict:
         is_moe = preset.is_moe

@@ -41,6 +41,22 @@ from ..harness import AUTOCAST, Variant, format_table, make_result, run_variants
 from ..plots import plot_waterfall, save_figure
 from ..scenario import OptionError, Scenario, option
 
+def build_combined_model(preset, *, num_layers: int | None, lora_rank: int, device: torch.device) -> nn.Module:
+    """The model the combined scenario (and the breakdown) measures: NF4 for the real Qwen3, LoRA on every
+    projection (attention only for GPT-OSS), gradient checkpointing, LoRA B drawn away from zero so that the adapters
+    have a real gradient path; bf16 on a GPU, float32 on a CPU."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    quant = "nf4" if preset.family == "qwen3" and preset.real else None
+    targets = None if preset.family == "qwen3" else ["q_proj", "k_proj", "v_proj", "o_proj"]
+    model = build_model(preset.name, device=device, dtype=dtype, quant=quant, num_layers=num_layers,
+                        lora=LoraSettings(rank=lora_rank, target_modules=targets),
+                        gradient_checkpointing=True, attn_implementation=None)
+    for p in model.parameters():
+        if p.requires_grad and p.dim() == 2 and not p.any():
+            nn.init.normal_(p, std=0.01)
+    return model
+
+
 # --- the variants ---------------------------------------------------------------------------------------------------
 def _configure(model: nn.Module, *, packed: str | None = None, cache: bool = True, moe: str | None = None,
                offload: int = 0, check: bool = True) -> None:
@@ -198,15 +214,8 @@ class CombinedScenario(Scenario):
         for model_name in opts.models:
             preset = get_preset(model_name)
             for kernels in opts.kernels:
-                dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-                quant = "nf4" if preset.family == "qwen3" and preset.real else None
-                targets = None if preset.family == "qwen3" else ["q_proj", "k_proj", "v_proj", "o_proj"]
-                model = build_model(model_name, device=device, dtype=dtype, quant=quant, num_layers=opts.num_layers,
-                                    lora=LoraSettings(rank=opts.lora_rank, target_modules=targets),
-                                    gradient_checkpointing=True, attn_implementation=None)
-                for p in model.parameters():   # LoRA B starts at zero; give the adapters a real gradient path
-                    if p.requires_grad and p.dim() == 2 and not p.any():
-                        nn.init.normal_(p, std=0.01)
+                model = build_combined_model(preset, num_layers=opts.num_layers, lora_rank=opts.lora_rank,
+                                             device=device)
                 extra = {"kernels": kernels, **(apply_liger(model, preset.family) if kernels == "liger" else {})}
                 for tokens in opts.tokens:
                     results.append(self._config(model, preset, opts, tokens, kernels, extra, device, out_dir,
