@@ -18,7 +18,7 @@ from fastsft_lab.lab import results
 from fastsft_lab.lab.harness import make_optimizer
 from fastsft_lab.lab.scenarios import run_scenario
 from fastsft_lab.lab.scenarios.breakdown import BreakdownOptions, BreakdownScenario
-from fastsft_lab.lab.scenarios.combined import combined_variants
+from fastsft_lab.lab.scenarios.combined import build_combined_model, combined_variants
 from fastsft_lab.models import get_preset
 
 
@@ -129,7 +129,8 @@ def test_backward_ops_follow_their_forward_scope_through_sequence_numbers(one_cp
 @pytest.fixture(scope="module")
 def tiny_qwen(one_cpu_thread):
     opts = BreakdownOptions.defaults(torch.device("cpu"), smoke=True)
-    return BreakdownScenario._build(get_preset("tiny-qwen3"), opts, torch.device("cpu"))
+    return build_combined_model(get_preset("tiny-qwen3"), num_layers=opts.num_layers, lora_rank=opts.lora_rank,
+                                device=torch.device("cpu"))
 
 
 def test_module_categories_of_a_lora_model(tiny_qwen):
@@ -146,7 +147,8 @@ def test_module_categories_of_a_lora_model(tiny_qwen):
 
 def test_moe_router_and_experts_are_experts(one_cpu_thread):
     opts = BreakdownOptions.defaults(torch.device("cpu"), smoke=True)
-    model = BreakdownScenario._build(get_preset("tiny-gpt-oss"), opts, torch.device("cpu"))
+    model = build_combined_model(get_preset("tiny-gpt-oss"), num_layers=opts.num_layers, lora_rank=opts.lora_rank,
+                                 device=torch.device("cpu"))
     cats = {p: c for p, (_, c) in B.module_categories(model).items() if ".layers.0.mlp" in p}
     assert cats and set(cats.values()) == {"experts"}, cats
     assert any(p.endswith("mlp.router") for p in cats) and any(p.endswith("mlp.experts") for p in cats)
