@@ -211,8 +211,8 @@ def test_scenario_smoke_produces_every_variant(tmp_path):
                              progress=False)
     names = [v["name"] for v in result["variants"]]
     assert names == ["checkpointing (standard)", "offload x1 @ native", "offload x2 + prefetch @ native",
-                     "offload x1 @ 12 GB/s", "offload x2 + prefetch @ 12 GB/s", "offload x1 @ 3 GB/s",
-                     "offload x2 + prefetch @ 3 GB/s"]
+                     "offload x1 @ 12 GB/s chunks, unpaced (CPU)", "offload x2 + prefetch @ 12 GB/s chunks, unpaced (CPU)",
+                     "offload x1 @ 3 GB/s chunks, unpaced (CPU)", "offload x2 + prefetch @ 3 GB/s chunks, unpaced (CPU)"]
     rows = {v["name"]: v for v in result["variants"]}
     assert not [n for n, v in rows.items() if "error" in v], {n: v["error"] for n, v in rows.items() if "error" in v}
     cfg = result["config"]
@@ -222,7 +222,8 @@ def test_scenario_smoke_produces_every_variant(tmp_path):
         assert link["copy_bytes_per_step"] == per_step
         assert link["paced"] is False and "measured" not in link          # a CPU measures no link
         assert "model_step_ms" in rows[name] and "copy_overlap" in rows[name]
-    assert rows["offload x1 @ 3 GB/s"]["link"]["chunks"] > rows["offload x1 @ native"]["link"]["chunks"]
+    assert rows["offload x1 @ 3 GB/s chunks, unpaced (CPU)"]["link"]["chunks"] > \
+        rows["offload x1 @ native"]["link"]["chunks"]
     assert [p["target_gbps"] for p in result["points"]] == [None, 12.0, 3.0]
     assert all("gain_x2_vs_x1" in p and "model_gain_x2_vs_x1" in p for p in result["points"])
     assert result["model_inputs"]["num_layers"] == cfg["num_layers"]

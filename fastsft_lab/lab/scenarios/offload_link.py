@@ -335,8 +335,11 @@ class _PacedOffload:
         disable_offloaded_checkpointing(model)
 
 
-def _label(target: float | None) -> str:
-    return "native" if target is None else f"{target:g} GB/s"
+def _label(target: float | None, paced: bool = True) -> str:
+    """A variant's link label; on a CPU the copies are chunked but not paced, and the label says so."""
+    if target is None:
+        return "native"
+    return f"{target:g} GB/s" if paced else f"{target:g} GB/s chunks, unpaced (CPU)"
 
 
 def make_link_variants(model: nn.Module, device: torch.device, targets: Sequence[float | None], modes: Sequence[str],
@@ -348,7 +351,7 @@ def make_link_variants(model: nn.Module, device: torch.device, targets: Sequence
         for key in modes:
             buffers, prefetch, name = MODES[key]
             tog = _PacedOffload(buffers, prefetch, pacer_for(target), device)
-            v = Variant(f"{name} @ {_label(target)}",
+            v = Variant(f"{name} @ {_label(target, device.type == 'cuda')}",
                         {"checkpointing": "offload", "offload_buffers": buffers, "prefetch": prefetch,
                          "link_target_gbps": target},
                         enable=tog.enable, disable=tog.disable,
@@ -484,7 +487,7 @@ def _points(targets, modes, by, meta, traces, minputs, layer_bytes, cuda) -> lis
     for target in targets:
         p: dict[str, Any] = {"target_gbps": target, "plain_ms": plain_ms}
         for key in modes:
-            name = f"{MODES[key][2]} @ {_label(target)}"
+            name = f"{MODES[key][2]} @ {_label(target, cuda)}"
             r = by.get(name, {})
             ms = r.get("step_ms", {}).get("median")
             p[f"{key}_ms"] = ms
