@@ -206,3 +206,6 @@ def test_options_are_checked():
     assert BreakdownScenario().options(torch.device("cpu"), True, {"kernels": None}).kernels == ["none"]
     with pytest.raises(ValueError, match="timed"):
         BreakdownScenario().options(torch.device("cpu"), True, {"timed": 0})
+    with pytest.raises(ValueError, match="autocast must be one of"):
+        BreakdownScenario().options(torch.device("cpu"), True, {"autocast": "fp8"})
+    assert BreakdownScenario().options(torch.device("cpu"), True, {"autocast": "bf16"}).autocast == "bf16"

@@ -24,7 +24,7 @@ import torch
 from ...data import benchmark_batches
 from ...models import get_preset
 from ..breakdown import breakdown_variant, describe_bottleneck, format_breakdown
-from ..harness import make_optimizer, make_result, run_variants, write_json
+from ..harness import AUTOCAST, make_optimizer, make_result, run_variants, with_autocast, write_json
 from ..plots import plot_breakdown, save_figure
 from ..scenario import OptionError, Scenario, option
 from .combined import apply_liger, build_combined_model, combined_variants
@@ -40,6 +40,8 @@ class BreakdownOptions:
     backend: str = option("varlen", kind="str", help="packed-attention backend of the all-fast variant")
     mix: str = option("realistic", kind="str", help="length mix")
     lora_rank: int = option(16, kind="int", help="LoRA rank")
+    autocast: str = option("none", kind="str", help="none, bf16 or fp16: the step under torch.autocast (as "
+                           "SFTTrainer(bf16=True) runs it)")
     steps: int = option(2, kind="int", help="profiled steps (the breakdown is their mean)")
     timed: int = option(3, kind="int", help="unprofiled steps timed before profiling (the profiler's overhead)")
     warmup: int = option(2, kind="int", help="warm-up steps")
@@ -66,6 +68,8 @@ class BreakdownScenario(Scenario):
         for k in opts.kernels:
             if k not in ("none", "liger"):
                 raise OptionError(f"kernels must be none and/or liger, got {k!r}")
+        if opts.autocast not in AUTOCAST:
+            raise OptionError(f"autocast must be one of {', '.join(AUTOCAST)}, got {opts.autocast!r}")
             if k == "liger" and device.type != "cuda":
                 raise OptionError("kernels=liger needs a CUDA GPU (Liger-Kernel is Triton)")
         if opts.timed < 1:
@@ -98,6 +102,7 @@ class BreakdownScenario(Scenario):
                                                            mix=opts.mix)]
         fast = next(v for v in combined_variants(model, is_moe=is_moe, which="core", packed=opts.backend, trl=False)
                     if v.name == "all fast")
+        (fast,) = with_autocast([fast], opts.autocast)
         label = f"{preset.name} {tokens} tok, kernels={extra['kernels']}"
         optimizer = make_optimizer(model)
         rows = run_variants(model, batches, [fast], steps=opts.timed, warmup=opts.warmup, optimizer=optimizer,
@@ -107,7 +112,7 @@ class BreakdownScenario(Scenario):
         else:
             breakdown = breakdown_variant(model, batches, fast, optimizer=optimizer, device=device, steps=opts.steps)
         config = {"model": preset.name, "num_layers": model.config.num_hidden_layers, "tokens_per_step": tokens,
-                  "row_tokens": row, "mix": opts.mix, "variant": fast.name,
+                  "row_tokens": row, "mix": opts.mix, "variant": fast.name, "autocast": opts.autocast,
                   "quant": "nf4" if preset.family == "qwen3" and preset.real else "none",
                   "lora_rank": opts.lora_rank, "gradient_checkpointing": True, "packed_backend": opts.backend,
                   "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "warmup": opts.warmup,
