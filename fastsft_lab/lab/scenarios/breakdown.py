@@ -68,10 +68,10 @@ class BreakdownScenario(Scenario):
         for k in opts.kernels:
             if k not in ("none", "liger"):
                 raise OptionError(f"kernels must be none and/or liger, got {k!r}")
-        if opts.autocast not in AUTOCAST:
-            raise OptionError(f"autocast must be one of {', '.join(AUTOCAST)}, got {opts.autocast!r}")
             if k == "liger" and device.type != "cuda":
                 raise OptionError("kernels=liger needs a CUDA GPU (Liger-Kernel is Triton)")
+        if opts.autocast not in AUTOCAST:
+            raise OptionError(f"autocast must be one of {', '.join(AUTOCAST)}, got {opts.autocast!r}")
         if opts.timed < 1:
             raise OptionError(f"timed must be >= 1, got {opts.timed}")
         from ...packing import BACKENDS
