@@ -24,10 +24,10 @@ import torch
 from ...data import benchmark_batches
 from ...models import get_preset
 from ..breakdown import breakdown_variant, describe_bottleneck, format_breakdown
-from ..harness import AUTOCAST, make_optimizer, make_result, run_variants, with_autocast, write_json
+from ..harness import make_optimizer, make_result, run_variants, with_autocast, write_json
 from ..plots import plot_breakdown, save_figure
 from ..scenario import OptionError, Scenario, option
-from .combined import apply_liger, build_combined_model, combined_variants
+from .combined import apply_liger, build_combined_model, combined_variants, validate_models_and_kernels
 
 
 @dataclasses.dataclass
@@ -63,21 +63,9 @@ class BreakdownScenario(Scenario):
 
     def validate(self, opts: BreakdownOptions, device: torch.device) -> None:
         super().validate(opts, device)
-        for m in opts.models:
-            get_preset(m)
-        for k in opts.kernels:
-            if k not in ("none", "liger"):
-                raise OptionError(f"kernels must be none and/or liger, got {k!r}")
-            if k == "liger" and device.type != "cuda":
-                raise OptionError("kernels=liger needs a CUDA GPU (Liger-Kernel is Triton)")
-        if opts.autocast not in AUTOCAST:
-            raise OptionError(f"autocast must be one of {', '.join(AUTOCAST)}, got {opts.autocast!r}")
+        validate_models_and_kernels(opts, device)
         if opts.timed < 1:
             raise OptionError(f"timed must be >= 1, got {opts.timed}")
-        from ...packing import BACKENDS
-
-        if opts.backend not in BACKENDS:
-            raise OptionError(f"unknown packed-attention backend {opts.backend!r}; known: {', '.join(BACKENDS)}")
 
     def run(self, opts: BreakdownOptions, *, device: torch.device, out_dir: str, progress: bool = True) -> list[dict]:
         results = []

@@ -185,6 +185,24 @@ class CombinedOptions:
         return cls()
 
 
+def validate_models_and_kernels(opts, device: torch.device) -> None:
+    """The checks the combined and breakdown scenarios share: known presets, kernels none/liger (liger on CUDA
+    only), a known autocast, a known packed-attention backend."""
+    for m in opts.models:
+        get_preset(m)
+    for k in opts.kernels:
+        if k not in ("none", "liger"):
+            raise OptionError(f"kernels must be none and/or liger, got {k!r}")
+        if k == "liger" and device.type != "cuda":
+            raise OptionError("kernels=liger needs a CUDA GPU (Liger-Kernel is Triton)")
+    if opts.autocast not in AUTOCAST:
+        raise OptionError(f"autocast must be one of {', '.join(AUTOCAST)}, got {opts.autocast!r}")
+    from ...packing import BACKENDS
+
+    if opts.backend not in BACKENDS:
+        raise OptionError(f"unknown packed-attention backend {opts.backend!r}; known: {', '.join(BACKENDS)}")
+
+
 class CombinedScenario(Scenario):
     name = "combined"
     title = "the three optimizations together, at full depth (stock transformers, TRL, ablation, fast kernels)"
@@ -192,19 +210,7 @@ class CombinedScenario(Scenario):
 
     def validate(self, opts: CombinedOptions, device: torch.device) -> None:
         super().validate(opts, device)
-        for m in opts.models:
-            get_preset(m)
-        for k in opts.kernels:
-            if k not in ("none", "liger"):
-                raise OptionError(f"kernels must be none and/or liger, got {k!r}")
-            if k == "liger" and device.type != "cuda":
-                raise OptionError("kernels=liger needs a CUDA GPU (Liger-Kernel is Triton)")
-        if opts.autocast not in AUTOCAST:
-            raise OptionError(f"autocast must be one of {', '.join(AUTOCAST)}, got {opts.autocast!r}")
-        from ...packing import BACKENDS
-
-        if opts.backend not in BACKENDS:
-            raise OptionError(f"unknown packed-attention backend {opts.backend!r}; known: {', '.join(BACKENDS)}")
+        validate_models_and_kernels(opts, device)
         for name in (opts.variants, opts.liger_variants):
             if name not in ("all", "core"):
                 raise OptionError(f"variants must be all or core, got {name!r}")
