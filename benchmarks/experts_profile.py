@@ -21,40 +21,12 @@ import sys
 import torch
 
 
-def _self_device_us(evt) -> float:
-    for name in ("self_device_time_total", "self_cuda_time_total"):
-        if hasattr(evt, name):
-            return float(getattr(evt, name))
-    return 0.0
-
-
 def profile_ops(fn, calls: int) -> dict:
     """GPU time per aten op and per kernel (ms per call), from ``calls`` profiled calls of ``fn``."""
-    from torch.profiler import ProfilerActivity, profile
+    from fastsft_lab.profiling import profile
 
-    cuda = torch.cuda.is_available()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    if cuda:
-        torch.cuda.synchronize()
-    with profile(activities=activities) as prof:
-        for _ in range(calls):
-            fn()
-        if cuda:
-            torch.cuda.synchronize()
-    ops, kernels = {}, {}
-    for evt in prof.key_averages():
-        us = _self_device_us(evt) if cuda else float(evt.self_cpu_time_total)
-        if us <= 0:
-            continue
-        device_type = str(getattr(evt, "device_type", ""))
-        target = kernels if "CUDA" in device_type and not evt.key.startswith("aten::") else ops
-        target[evt.key] = target.get(evt.key, 0.0) + us / 1000.0 / calls
-    total = sum(kernels.values()) or sum(ops.values())
-
-    def top(d, n=30):
-        return [{"name": k[:160], "ms": round(v, 4)} for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:n]]
-
-    return {"gpu_busy_ms": round(total, 4), "ops": top(ops), "kernels": top(kernels)}
+    r = profile(fn, steps=calls, top=30)
+    return {"gpu_busy_ms": r.device_busy_ms, "ops": r.ops_per_step, "kernels": r.kernels_per_step}
 
 
 def main(argv=None) -> int:
@@ -131,7 +103,9 @@ def main(argv=None) -> int:
                 print(f"\n== {preset} {tokens} tok {spec}: step {row['step_ms']['median']:.3f} ms, forward "
                       f"{row['forward_ms']['median']:.3f} ms; matmuls alone {floor['step_ms']['median']:.3f} / "
                       f"{floor['forward_ms']['median']:.3f} ms" + (f" ({ratio:.2f}x)" if ratio else ""))
-                print(f"   GPU busy per step {row['profile_step']['gpu_busy_ms']:.3f} ms; top ops (self GPU ms):")
+                busy = row["profile_step"]["gpu_busy_ms"]
+                print(f"   GPU busy per step {busy:.3f} ms; top ops (self GPU ms):" if busy is not None else
+                      "   (no GPU: top ops by self host ms)")
                 for o in row["profile_step"]["ops"][:18]:
                     print(f"     {o['ms']:8.3f}  {o['name']}")
                 print("   top kernels:")

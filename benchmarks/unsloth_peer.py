@@ -331,29 +331,14 @@ def _count_attention_calls(adispatch, counts: dict):
     return undo
 
 
-def profile_gpu(fn, torch, top: int = 40) -> dict:
-    """GPU time of one call of ``fn`` under ``torch.profiler``: the busy total, and the top aten ops (self device
-    time: the kernels an op launches itself) and kernels, in ms. What each side's step is made of, by name."""
-    from torch.profiler import ProfilerActivity, profile
+def profile_gpu(fn, top: int = 40) -> dict:
+    """GPU time of one call of ``fn`` (``fastsft_lab.profiling.profile``): the busy total, and the top aten ops (their
+    own device time) and kernels, in ms. What each side's step is made of, by name."""
+    from fastsft_lab.profiling import profile  # after unsloth's import: it imports transformers
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    ops, kernels = {}, {}
-    for evt in prof.key_averages():
-        us = float(getattr(evt, "self_device_time_total", 0.0) or 0.0)
-        if us <= 0:
-            continue
-        on_device = "CUDA" in str(getattr(evt, "device_type", "")) and not evt.key.startswith("aten::")
-        target = kernels if on_device else ops
-        target[evt.key] = target.get(evt.key, 0.0) + us / 1000.0
-
-    def ranked(d):
-        return [{"name": k[:200], "ms": round(v, 3)} for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
-
-    return {"what": "one untimed forward+backward of batch 0 under torch.profiler",
-            "gpu_busy_ms": round(sum(kernels.values()), 3), "ops": ranked(ops), "kernels": ranked(kernels)}
+    r = profile(fn, steps=1, top=top)
+    return {"what": "one untimed forward+backward of batch 0 under torch.profiler", "gpu_busy_ms": r.device_busy_ms,
+            "ops": r.ops_per_step, "kernels": r.kernels_per_step}
 
 
 def _sync_warnings(fn, torch) -> tuple[int, dict]:
@@ -602,7 +587,7 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
     profiled = None
     if cuda and os.environ.get("UNSLOTH_PEER_PROFILE", "1") != "0":
         ctx["stage"] = "profiled forward+backward (untimed)"
-        profiled = profile_gpu(forward_backward, torch)
+        profiled = profile_gpu(forward_backward)
         optimizer.zero_grad(set_to_none=True)
 
     variant = {"name": _variant_name(double_buffer),

@@ -436,11 +436,15 @@ class ProfileResult:
     table: str
     trace_path: str | None
     top_ops: list = field(default_factory=list)
+    ops_per_step: list = field(default_factory=list)      # [{"name", "ms"}]: aten ops' self device (CPU: host) ms
+    kernels_per_step: list = field(default_factory=list)  # [{"name", "ms"}]: GPU kernels and copies (CUDA only)
+    device_busy_ms: float | None = None                   # the kernels' ms per step (CUDA only)
 
 
 def profile(fn: Callable[[], object], *, steps: int = 1, trace_path: str | None = None, top: int = 15,
             sort_by: str | None = None, record_shapes: bool = False) -> ProfileResult:
-    """Run ``fn`` ``steps`` times under ``torch.profiler``; export a Chrome trace and return the top ops."""
+    """Run ``fn`` ``steps`` times under ``torch.profiler``; export a Chrome trace and return the top ops (totals over
+    the steps), and per step the ops' and the kernels' own time and the GPU's busy time."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as _profile
 
@@ -461,7 +465,22 @@ def profile(fn: Callable[[], object], *, steps: int = 1, trace_path: str | None 
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
     rows = sorted(averages, key=lambda e: getattr(e, attr, 0), reverse=True)[:top]
     top_ops = [{"name": e.key, "calls": e.count, "self_ms": round(getattr(e, attr, 0) / 1e3, 3)} for e in rows]
-    return ProfileResult(table=table, trace_path=trace_path, top_ops=top_ops)
+    # per step, split into what ops launch and the kernels themselves (a kernel is a device event not named aten::)
+    ops, kernels = {}, {}
+    for e in averages:
+        ms = float(getattr(e, attr, 0) or 0) / 1e3 / steps
+        if ms <= 0:
+            continue
+        is_kernel = cuda and "CUDA" in str(getattr(e, "device_type", "")) and not e.key.startswith("aten::")
+        target = kernels if is_kernel else ops
+        target[e.key] = target.get(e.key, 0.0) + ms
+
+    def ranked(d):
+        return [{"name": k[:200], "ms": round(v, 4)} for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+
+    return ProfileResult(table=table, trace_path=trace_path, top_ops=top_ops, ops_per_step=ranked(ops),
+                         kernels_per_step=ranked(kernels),
+                         device_busy_ms=round(sum(kernels.values()), 4) if cuda else None)
 
 
 __all__ = ["SyncCounter", "SyncCountingMode", "SyncReport", "count_syncs", "PhaseTimer", "time_ms", "reset_peak_memory",

@@ -161,3 +161,14 @@ def test_cuda_cross_check_counts_syncs_not_the_prototype_notice():
     sync = record("called a synchronizing CUDA operation (Triggered internally at CUDAFunctions.cpp:162.)")
     other = record("some unrelated warning")
     assert cuda_sync_warnings([notice, sync, other, sync]) == [sync, sync]
+
+
+def test_profile_reports_each_ops_own_time_per_step():
+    from fastsft_lab.profiling import profile
+
+    a = torch.randn(256, 256)
+    r = profile(lambda: a @ a, steps=4, top=10)
+    per_step = {o["name"]: o["ms"] for o in r.ops_per_step}
+    total = {o["name"]: o["self_ms"] for o in r.top_ops}
+    assert per_step["aten::mm"] > 0 and abs(per_step["aten::mm"] * 4 - total["aten::mm"]) <= 0.01 + 0.01 * total["aten::mm"]
+    assert r.kernels_per_step == [] and r.device_busy_ms is None      # a CPU run: no kernels, no GPU busy time
