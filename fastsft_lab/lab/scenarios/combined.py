@@ -36,7 +36,7 @@ from ...models import LoraSettings, base_model, build_model, get_preset
 from ...moe import set_moe_routing
 from ...offload import disable_offloaded_checkpointing, enable_offloaded_checkpointing
 from ...packing import disable_packed_attention, enable_packed_attention, packed_inputs
-from ..flops import peak_flops, step_flops
+from ..flops import peak_flops
 from ..harness import AUTOCAST, Variant, format_table, make_result, run_variants, with_autocast, write_json
 from ..plots import plot_waterfall, save_figure
 from ..scenario import OptionError, Scenario, option
@@ -244,15 +244,8 @@ class CombinedScenario(Scenario):
         variants = with_autocast(variants, opts.autocast)
         rows = run_variants(model, batches, variants, steps=opts.steps, warmup=opts.warmup, progress=progress,
                             label=label)
-        env = environment(device)
-        peak = peak_flops(env.get("gpu_name"))
-        flops = [step_flops(base_model(model).config, b.seq_lengths)["flops"] for b in batches]
-        mean_flops = sum(flops) / len(flops)
-        for r in rows:
-            if "step_ms" in r:
-                s = r["step_ms"]["median"] / 1e3
-                r["tokens_per_s"] = round(tokens / s, 1)
-                r["mfu"] = round(mean_flops / s / peak, 4) if peak else None
+        peak = peak_flops(environment(device).get("gpu_name"))   # run_variants put tokens/s and MFU on every row
+        mean_flops = next((r["flops_per_step"] for r in rows if "flops_per_step" in r), None)
         config = {"model": preset.name, "num_layers": model.config.num_hidden_layers, "tokens_per_step": tokens,
                   "row_tokens": row, "mix": opts.mix, "quant": "nf4" if preset.family == "qwen3" and preset.real
                   else "none", "lora_rank": opts.lora_rank, "gradient_checkpointing": True,
@@ -286,4 +279,5 @@ class CombinedScenario(Scenario):
         return result
 
 
-__all__ = ["CombinedScenario", "CombinedOptions", "combined_variants", "step_flops", "peak_flops", "apply_liger"]
+__all__ = ["CombinedScenario", "CombinedOptions", "combined_variants", "apply_liger", "build_combined_model",
+           "validate_models_and_kernels"]
