@@ -6,9 +6,24 @@ chunk it computes the logits, their log-sum-exp, the loss of the chunk and, righ
 with respect to the chunk's hidden states (and to the head's weight, when it trains); only those gradients are
 kept. Peak memory then holds one chunk's logits, not all of them.
 
-No host sync: the number of tokens that take a loss is either given (``num_items_in_batch``, as transformers'
-Trainer passes it) or stays a device tensor that the sum is divided by. (Liger-Kernel's fused loss reads it back
-with ``.item()``.)
+Per chunk, ``logits = h @ W.T`` comes out of the matmul in its dtype (bf16 for a bf16 model); everything after it is
+elementwise work on a (chunk, V) tensor, two paths side by side:
+
+* **kernel** (:func:`_fused_chunk`; Triton on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``): one program per
+  row reads the row in blocks of columns for its running max and sum of exponentials (online softmax), then its
+  log-sum-exp and its loss term ``(lse - logits[target]) * valid``, and in a second pass overwrites the logits in
+  place with the gradient ``(softmax - onehot(target)) * valid``, computed in float32 and rounded to the logits'
+  dtype. Two reads and one write of the logits, no float32 copy. ``grad_h`` of the chunk is one matmul written
+  straight into its rows (``torch.mm(..., out=)``); ``grad_W``, when the head trains, comes from the same gradient.
+* **eager** (:func:`_eager_chunk`; the CPU path and the kernel's reference): ``.float()``, ``logsumexp``, ``gather``,
+  ``exp``, ``scatter_add_``, a mask and a cast -- about eight passes over a float32 (chunk, V) tensor.
+
+Both read the same rounded logits and compute in float32, so they agree up to summation order. The kernel runs
+where :func:`fused_ce_available` says so; ``FASTSFT_FUSED_CE=0`` or :func:`set_fused_ce` turns it off.
+
+No host sync: the per-row losses are summed on the device, and the number of tokens that take a loss is either given
+(``num_items_in_batch``, as transformers' Trainer passes it) or stays a device tensor that the sum is divided by.
+(Liger-Kernel's fused loss reads it back with ``.item()``.)
 
 The switch :func:`enable_fused_loss` replaces the forward of one model instance (not of its class) by
 :func:`fused_causal_lm_forward`, which runs the model's decoder as it is and computes transformers'
@@ -20,6 +35,7 @@ removes the instance attribute.
 
 from __future__ import annotations
 
+import os
 import sys
 from types import MethodType
 
@@ -32,6 +48,93 @@ from .models import base_model
 
 IGNORE_INDEX = -100
 _ATTR = "_fastsft_fused_loss"
+
+
+# --- one chunk's loss and gradient of the logits: the eager expression and the Triton kernel ---------------------
+def _eager_chunk(logits: torch.Tensor, target: torch.Tensor, grad_dtype: torch.dtype | None):
+    """(c, V) logits as the matmul produced them, (c,) targets -> (c,) float32 loss terms and, with ``grad_dtype``,
+    d loss / d logits = ``(softmax - onehot(target)) * valid`` in that dtype (else None)."""
+    logits = logits.float()                                                # (c, V)
+    valid = target != IGNORE_INDEX
+    safe = torch.where(valid, target, torch.zeros_like(target))
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, safe[:, None]).squeeze(1)
+    loss = (lse - picked) * valid
+    if grad_dtype is None:
+        return loss, None
+    g = torch.exp(logits - lse[:, None])
+    g.scatter_add_(1, safe[:, None], -torch.ones_like(lse)[:, None])
+    g *= valid[:, None]
+    return loss, g.to(grad_dtype)
+
+
+_FUSED_CE = [os.environ.get("FASTSFT_FUSED_CE", "1").strip().lower() not in ("0", "false", "no", "off")]
+
+try:  # Triton ships with CUDA builds of PyTorch; TRITON_INTERPRET=1 runs the kernel on CPU tensors (tests)
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _ce_chunk_kernel(logits_ptr, target_ptr, loss_ptr, V, stride, IGNORE: tl.constexpr, GRAD: tl.constexpr,
+                         BLOCK: tl.constexpr):
+        # one program per row: loss[row] = (lse - x[target]) * valid; with GRAD, x <- (softmax(x) - onehot) * valid
+        row = tl.program_id(0).to(tl.int64)
+        base = logits_ptr + row * stride
+        tgt = tl.load(target_ptr + row).to(tl.int64)
+        valid = (tgt != IGNORE).to(tl.float32)
+        m = float("-inf")   # running max
+        d = 0.0             # running sum of exp(x - m)
+        for c0 in range(0, V, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(x, axis=0))
+            d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+            m = m_new
+        lse = m + tl.log(d)
+        picked = tl.load(base + tl.where(tgt != IGNORE, tgt, 0)).to(tl.float32)
+        tl.store(loss_ptr + row, (lse - picked) * valid)
+        if GRAD:  # second pass, in place: each program reads and writes its own row only
+            for c0 in range(0, V, BLOCK):
+                cols = c0 + tl.arange(0, BLOCK)
+                cmask = cols < V
+                x = tl.load(base + cols, mask=cmask, other=0.0).to(tl.float32)
+                grad = tl.exp(x - lse)
+                grad = tl.where(cols == tgt, grad - 1.0, grad)
+                grad = grad * valid
+                tl.store(base + cols, grad.to(logits_ptr.dtype.element_ty), mask=cmask)
+
+    _HAS_TRITON = True
+except Exception:  # noqa: BLE001 - no triton (CPU wheels): the eager chunk runs
+    _HAS_TRITON = False
+
+_CE_BLOCK = 4096      # columns per iteration (151,936 words: 38 iterations per pass)
+_CE_WARPS = 8
+
+
+def fused_ce_available(t: torch.Tensor) -> bool:
+    """Whether the fused cross-entropy kernel runs on ``t`` (CUDA + triton, and not switched off)."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    return _FUSED_CE[0] and _HAS_TRITON and (t.device.type == "cuda" or interpret)
+
+
+def set_fused_ce(enabled: bool) -> bool:
+    """Turn the fused cross-entropy kernel of :func:`linear_cross_entropy` on or off (env ``FASTSFT_FUSED_CE``; off
+    runs :func:`_eager_chunk`, about eight passes over a float32 copy of each chunk's logits); returns the old."""
+    old, _FUSED_CE[0] = _FUSED_CE[0], bool(enabled)
+    return old
+
+
+def _fused_chunk(logits: torch.Tensor, target: torch.Tensor, grad: bool, block: int = _CE_BLOCK):
+    """:func:`_eager_chunk` as one Triton kernel: returns the (c,) float32 loss terms and, with ``grad``, the logits
+    themselves overwritten with their gradient (same dtype); without ``grad`` the logits are left as they are."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    rows, vocab = logits.shape
+    loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows:
+        _ce_chunk_kernel[(rows,)](logits, target.contiguous(), loss, vocab, logits.stride(0), IGNORE=IGNORE_INDEX,
+                                  GRAD=grad, BLOCK=block, num_warps=_CE_WARPS)
+    return loss, (logits if grad else None)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -49,23 +152,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, n, chunk):
             h = hidden[start:start + chunk]
             t = target[start:start + chunk]
-            logits = (h @ weight.t()).float()                                  # (c, V)
-            valid = t != IGNORE_INDEX
-            safe = torch.where(valid, t, torch.zeros_like(t))
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, safe[:, None]).squeeze(1)
-            total += ((lse - picked) * valid).sum()
-            if need_h or need_w:
-                # d loss / d logits = softmax - onehot(target), zero for ignored tokens
-                g = torch.exp(logits - lse[:, None])
-                g.scatter_add_(1, safe[:, None], -torch.ones_like(lse)[:, None])
-                g *= valid[:, None]
-                g = g.to(hidden.dtype)
-                if need_h:
-                    grad_h[start:start + chunk] = g @ weight
-                if need_w:
-                    grad_w += (g.t() @ h).float()
-            del logits
+            logits = h @ weight.t()                                            # (c, V), the matmul's dtype
+            if fused_ce_available(logits):
+                loss, g = _fused_chunk(logits, t, need_h or need_w)            # g is logits, overwritten
+            else:
+                loss, g = _eager_chunk(logits, t, hidden.dtype if need_h or need_w else None)
+            total += loss.sum()
+            if need_h:
+                rows = grad_h[start:start + chunk]
+                if g.dtype == weight.dtype == rows.dtype and rows.is_contiguous():
+                    torch.mm(g, weight, out=rows)                              # straight into grad_h, no copy
+                else:  # mixed dtypes (autocast): let the matmul pick its dtype, then copy
+                    rows.copy_(g @ weight)
+            if need_w:
+                grad_w += (g.t() @ h).float()
+            del logits, g
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         return total
@@ -89,7 +190,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         labels: (B, T) token ids, ``-100`` where no loss is taken; shifted by one inside, as transformers does.
         num_items_in_batch: divide the summed loss by this (int or device tensor); default: the number of valid
             labels, kept on the device (no sync).
-        chunk: tokens per chunk (peak extra memory: ``chunk x vocab x 4`` bytes).
+        chunk: tokens per chunk (peak extra memory: one chunk's logits in the matmul's dtype with the kernel,
+            ``chunk x vocab x 2`` bytes in bf16; the eager path adds float32 copies, ``chunk x vocab x 4`` bytes each).
     """
     if bias is not None:
         raise NotImplementedError("the fused loss takes an LM head without bias")
@@ -174,4 +276,5 @@ def _read_state(model: nn.Module) -> dict:
 
 register_state_reader("fused_loss", _read_state)
 
-__all__ = ["linear_cross_entropy", "enable_fused_loss", "disable_fused_loss", "fused_causal_lm_forward"]
+__all__ = ["linear_cross_entropy", "enable_fused_loss", "disable_fused_loss", "fused_causal_lm_forward",
+           "fused_ce_available", "set_fused_ce"]

@@ -26,6 +26,7 @@ class ModelState:
         moe_routing: the routing mode fastsft_lab switched the experts to (``"naive"`` / ``"grouped"`` /
             ``"sync_free"``, or a stock name asked for), None when it did not switch them.
         fused_loss: the loss is :func:`fastsft_lab.loss.linear_cross_entropy` (no logits materialised).
+        fused_lora: the PEFT LoRA layers run :func:`fastsft_lab.lora.fused_lora_forward`.
     """
 
     packed: str | None = None
@@ -35,6 +36,7 @@ class ModelState:
     checkpointing: str = "none"
     moe_routing: str | None = None
     fused_loss: bool = False
+    fused_lora: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)

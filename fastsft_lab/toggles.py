@@ -35,6 +35,7 @@ def apply(
     prefetch: bool | None = None,
     moe_routing: str | None = None,
     fused_loss: bool | None = None,
+    fused_lora: bool | None = None,
 ) -> ModelState:
     """Switch optimizations on (or between modes) on ``model``.
 
@@ -52,6 +53,8 @@ def apply(
             models only.
         fused_loss: True computes the loss with :func:`fastsft_lab.loss.linear_cross_entropy` (no logits held, no
             host sync); the fast-kernel floor under the three optimizations, not one of them.
+        fused_lora: True adds each PEFT LoRA adapter into its base layer's output with one in-place GEMM in the
+            activations' dtype (:mod:`fastsft_lab.lora`); fast-kernel floor too. Refused for DoRA / LoRA biases.
 
     Returns:
         The model's state after the change.
@@ -84,6 +87,15 @@ def apply(
         check_moe_routing(model, moe_routing)
     if fused_loss is not None and not isinstance(fused_loss, bool):
         raise ValueError(f"fused_loss must be True or False, got {fused_loss!r}")
+    if fused_lora is not None:
+        if not isinstance(fused_lora, bool):
+            raise ValueError(f"fused_lora must be True or False, got {fused_lora!r}")
+        if fused_lora:
+            from .lora import fused_lora_targets
+
+            if not fused_lora_targets(model):
+                raise ValueError(f"fused_lora=True needs PEFT LoRA linear layers; {type(base_model(model)).__name__} "
+                                 "has none")
 
     if packed_attention is not None:
         from .packing.switch import enable_packed_attention
@@ -112,11 +124,16 @@ def apply(
         from .loss import disable_fused_loss, enable_fused_loss
 
         (enable_fused_loss if fused_loss else disable_fused_loss)(model)
+    if fused_lora is not None:
+        from .lora import disable_fused_lora, enable_fused_lora
+
+        (enable_fused_lora if fused_lora else disable_fused_lora)(model)
     return state(model)
 
 
 def revert(model: nn.Module) -> ModelState:
     """Undo every optimization fastsft_lab switched on for ``model``: back to its original behaviour."""
+    from .lora import disable_fused_lora
     from .loss import disable_fused_loss
     from .moe.switch import moe_routing_switched, set_moe_routing
     from .offload.switch import disable_offloaded_checkpointing, disable_standard_checkpointing, is_offloaded
@@ -130,6 +147,7 @@ def revert(model: nn.Module) -> ModelState:
     if moe_routing_switched(model):
         set_moe_routing(model, None)
     disable_fused_loss(model)
+    disable_fused_lora(model)
     return state(model)
 
 

@@ -127,10 +127,9 @@ MUTATIONS = [
     Mutation("fused-combine-weights-dropped", M + "kernels.py",
              "            tile = tile * w[:, None]", "            tile = tile", (TM, "-k", "interpreted")),
     Mutation("fused-glu-bias-of-the-wrong-column", M + "gate.py",
-             "            u += tl.load(b_ptr + e * 2 * I + 2 * col + 1, mask=mask, other=0.0).to(tl.float32)\n"
-             "        g = tl.minimum(g, limit)",
-             "            u += tl.load(b_ptr + e * 2 * I + 2 * col, mask=mask, other=0.0).to(tl.float32)\n"
-             "        g = tl.minimum(g, limit)", (TM, "-k", "interpreted")),
+             "x += tl.load(b_ptr + e[:, None] * (2 * I) + cols[None, :], mask=mask",
+             "x += tl.load(b_ptr + e[:, None] * (2 * I) + cols[None, :] // 2 * 2, mask=mask",  # up gets gate's bias
+             (TM, "-k", "interpreted")),
     Mutation("fused-swiglu-up-not-offset", M + "gate.py",
              "        out = g / (1.0 + tl.exp(-g)) * u",
              "        out = g / (1.0 + tl.exp(-g)) * g", (TM, "-k", "interpreted")),
@@ -149,6 +148,8 @@ MUTATIONS = [
     Mutation("fused-loss-not-shifted", "fastsft_lab/loss.py",
              "shift = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)",
              "shift = labels.reshape(-1)", ("tests/test_loss.py",)),
+    Mutation("fused-ce-ignored-rows-keep-a-gradient", "fastsft_lab/loss.py",
+             "                grad = grad * valid\n", "", ("tests/test_loss.py", "-k", "interpreted")),
 ]
 
 

@@ -133,3 +133,117 @@ def test_cuda_liger_floor_is_as_close_to_fp32_as_the_unfused_bf16_model(preset):
 
     for n in grads:
         assert rel(grads, n) <= 2 * rel(bf16_grads, n) + 1e-2, (n, rel(grads, n), rel(bf16_grads, n))
+
+
+# --- the per-chunk kernel (Triton; interpreted on the CPU where triton is installed) ---------------------------------
+_CE_KERNEL_CHECK = r"""
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+from fastsft_lab import loss as L
+assert L._HAS_TRITON and L.fused_ce_available(torch.zeros(1))
+
+torch.manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16):
+    for rows, vocab, block in [(7, 300, 64), (4, 128, 64), (3, 5, 64)]:   # V not a multiple of BLOCK, a multiple, V < BLOCK
+        logits = (torch.randn(rows, vocab) * 4).to(dtype)
+        target = torch.randint(0, vocab, (rows,))
+        target[0], target[1], target[2] = 0, vocab - 1, -100                 # first and last column, an ignored row
+        if rows > 3:
+            target[-1] = -100
+        ref_loss, ref_g = L._eager_chunk(logits.clone(), target, dtype)
+        x = logits.clone()
+        loss, g = L._fused_chunk(x, target, True, block=block)
+        assert g.data_ptr() == x.data_ptr() and g.dtype == dtype, (g.dtype, dtype)   # in place, in the logits' dtype
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+        if dtype == torch.float32:
+            torch.testing.assert_close(g, ref_g, rtol=1e-5, atol=1e-6)
+        else:   # the same float32 values up to summation order, then one rounding: at most one bf16 step apart
+            torch.testing.assert_close(g.float(), ref_g.float(), rtol=1.6e-2, atol=1e-5)
+        ignored = target == -100
+        assert (g[ignored] == 0).all() and (loss[ignored] == 0).all()
+        assert (g[~ignored].float().sum(1).abs() < 2e-2).all()                # softmax - onehot sums to zero
+        x = logits.clone()
+        loss, g = L._fused_chunk(x, target, False, block=block)               # loss only: the logits stay
+        assert g is None and torch.equal(x, logits)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+
+# linear_cross_entropy end to end: the kernel runs, and loss and gradients equal the eager path's
+calls = []
+kernel = L._fused_chunk
+L._fused_chunk = lambda *a, **k: calls.append(1) or kernel(*a, **k)
+hidden = torch.randn(2, 33, 16)
+weight = torch.randn(50, 16)
+labels = torch.randint(0, 50, (2, 33))
+labels[0, :5] = -100
+runs = []
+for fused in (False, True):
+    L.set_fused_ce(fused)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    out = L.linear_cross_entropy(h, w, labels, chunk=7)
+    out.backward()
+    runs.append((out.detach(), h.grad, w.grad))
+assert len(calls) == 10, calls                                                # 66 tokens in chunks of 7
+for a, b in zip(runs[1], runs[0]):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+print("ok")
+"""
+
+
+def test_fused_ce_kernel_interpreted_on_cpu():
+    # The kernel against the eager chunk: loss terms and the in-place gradient, float32 and bf16 logits, ignored rows,
+    # targets at the first and last column, a vocab that is not a multiple of the block; then the whole loss.
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _CE_KERNEL_CHECK], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
+
+
+def test_fused_ce_switch_and_env():
+    import os
+    import subprocess
+    import sys
+
+    old = L.set_fused_ce(False)
+    try:
+        assert not L.fused_ce_available(torch.zeros(1)) and L.set_fused_ce(True) is False
+        assert L.fused_ce_available(torch.zeros(1)) == (L._HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1")
+    finally:
+        L.set_fused_ce(old)
+    env = dict(os.environ, FASTSFT_FUSED_CE="0")
+    run = subprocess.run([sys.executable, "-c", "from fastsft_lab import loss; print(loss._FUSED_CE[0])"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.stdout.strip() == "False", run.stderr[-2000:]
+
+
+@pytest.mark.cuda
+def test_cuda_fused_ce_kernel_at_qwen3_width_matches_fp32_and_syncs_nothing():
+    # Qwen3-14B's head: H 5120, V 151,936; 2048 tokens (two chunks of 1024), bf16 against the unfused float32 loss
+    assert L.fused_ce_available(torch.zeros(1, device="cuda"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(1, 2048, 5120, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    weight = (torch.randn(151936, 5120, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02)
+    labels = torch.randint(0, 151936, (1, 2048), device="cuda", generator=g)
+    labels[0, :100] = -100
+    labels[0, 1000] = 0
+    labels[0, 1001] = 151935
+    h32 = hidden.detach().float().requires_grad_()
+    ref = _reference(h32, weight.float(), labels)
+    (ref_g,) = torch.autograd.grad(ref, h32)
+    L.linear_cross_entropy(hidden, weight, labels).backward()        # compiles the kernel outside the counted block
+    torch.cuda.synchronize()
+    with SyncCounter(device="cuda", cross_check=True) as c:
+        got = L.linear_cross_entropy(hidden, weight, labels)
+        (got_g,) = torch.autograd.grad(got, hidden)
+    assert c.total == 0 and (c.cuda_reported or 0) == 0, c.cuda_messages
+    torch.testing.assert_close(got.float(), ref, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(got_g.float(), ref_g, rtol=2e-2, atol=1e-3 * ref_g.abs().max().item())
+    assert ((got_g.float() - ref_g).norm() / ref_g.norm()).item() < 1e-2
+    old = L.set_fused_ce(False)                                       # the eager path: the same loss, summed alike
+    try:
+        eager = L.linear_cross_entropy(hidden, weight, labels)
+    finally:
+        L.set_fused_ce(old)
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)

@@ -274,7 +274,7 @@ def test_cpu_grouped_mm_runs_here_and_is_exact():
     assert_close(out, ref, "cpu grouped_mm", tol=1e-6)
 
 
-# --- the fused GPT-OSS gate (Triton; interpreted on the CPU where triton is installed) --------------------------------
+# --- the fused gates: GPT-OSS's GLU, the SiLU gate (Triton; interpreted on the CPU where triton is installed) --------
 _GLU_CHECK = r"""
 import os, sys
 os.environ["TRITON_INTERPRET"] = "1"
@@ -282,17 +282,41 @@ import torch
 from fastsft_lab import moe
 from fastsft_lab.moe import gate
 assert gate._HAS_TRITON
+
+def close(x, y, what, tol=1e-5):
+    err = (x - y).abs().max().item()
+    assert err <= tol * (1 + y.abs().max().item()), (what, err)
+
 torch.manual_seed(0)
-gu = torch.randn(37, 48) * 6
-gu[0, 0], gu[0, 1], gu[0, 3] = 7.0, -7.0, 7.0   # exactly at the clamps: PyTorch passes the gradient there
-a, b = gu.clone().requires_grad_(True), gu.clone().requires_grad_(True)
-ref = moe.gate.eager_gpt_oss_glu(a, 1.702, 7.0)
-out = moe.gpt_oss_glu(b, 1.702, 7.0)
-assert out.grad_fn is not None and "Fused" in type(out.grad_fn).__name__, type(out.grad_fn)
-go = torch.randn_like(out)
-ref.backward(go); out.backward(go)
-assert (out - ref).abs().max() <= 1e-5 * (1 + ref.abs().max()), (out - ref).abs().max()
-assert (a.grad - b.grad).abs().max() <= 1e-5 * (1 + a.grad.abs().max()), (a.grad - b.grad).abs().max()
+# (rows, I, experts): I = 24 fits one tile; I = 1100 -> 5 column tiles of 256 (the last 76 wide) x 16-row tiles (the
+# last 5 rows); GPT-OSS-20B's I = 2880 -> 3 tiles of 1024 x 4 rows; E > 0: each row's expert bias, read in place
+for S, I, E in [(37, 24, 0), (37, 1100, 0), (9, 2880, 0), (37, 1100, 5), (9, 2880, 3)]:
+    grid, block_r, block_c = gate._gate_grid(S, I)
+    assert I == 24 or (grid[1] > 1 and I % block_c and S % block_r), (S, I, block_r, block_c)  # partial tiles
+    gu = torch.randn(S, 2 * I) * 6
+    for r, c in [(0, 0), (S - 1, 2 * I - 4), (S // 2, I)]:  # gate at +limit, up at -limit/+limit: exactly at the
+        gu[r, c], gu[r, c + 1], gu[r, c + 3] = 7.0, -7.0, 7.0  # clamps PyTorch passes the gradient (first, last, mid)
+    bias = torch.randn(E, 2 * I) if E else None
+    ids = torch.sort(torch.randint(0, E, (S,)))[0] if E else None
+    if E:
+        gu -= bias[ids]  # the biased input sits on the clamps there (where the float32 add rounds back)
+    a, b = gu.clone().requires_grad_(True), gu.clone().requires_grad_(True)
+    ba, bb = (bias.clone().requires_grad_(True), bias.clone().requires_grad_(True)) if E else (None, None)
+    ref = moe.gate.eager_gpt_oss_glu(a + ba[ids] if E else a, 1.702, 7.0)
+    out = moe.gpt_oss_glu(b, 1.702, 7.0, bias=bb, expert_ids=ids)
+    assert out.grad_fn is not None and "Fused" in type(out.grad_fn).__name__, type(out.grad_fn)
+    go = torch.randn_like(out)
+    ref.backward(go); out.backward(go)
+    close(out, ref, ("glu", S, I, E)); close(b.grad, a.grad, ("glu grad", S, I, E))
+    if E:
+        close(bb.grad, ba.grad, ("bias grad", S, I, E))
+    if not E:  # the SiLU gate over the same tiles
+        a, b = gu.clone().requires_grad_(True), gu.clone().requires_grad_(True)
+        ref = torch.nn.functional.silu(a[:, :I]) * a[:, I:]
+        out = gate.silu_glu(b)
+        assert "Fused" in type(out.grad_fn).__name__, type(out.grad_fn)
+        ref.backward(go); out.backward(go)
+        close(out, ref, ("swiglu", S, I)); close(b.grad, a.grad, ("swiglu grad", S, I))
 print("ok")
 """
 

@@ -40,7 +40,7 @@ class BreakdownOptions:
     backend: str = option("varlen", kind="str", help="packed-attention backend of the all-fast variant")
     mix: str = option("realistic", kind="str", help="length mix")
     lora_rank: int = option(16, kind="int", help="LoRA rank")
-    autocast: str = option("none", kind="str", help="none, bf16 or fp16: the step under torch.autocast (as "
+    autocast: str = option("none", kind="str", help="none, bf16 or fp16 (GPU default bf16): the step under torch.autocast (as "
                            "SFTTrainer(bf16=True) runs it)")
     steps: int = option(2, kind="int", help="profiled steps (the breakdown is their mean)")
     timed: int = option(3, kind="int", help="unprofiled steps timed before profiling (the profiler's overhead)")
@@ -53,7 +53,7 @@ class BreakdownOptions:
             return cls(models=["tiny-qwen3", "tiny-gpt-oss"], tokens=512, moe_row_tokens=256,
                        kernels=["none"] if cpu else ["none", "liger"], backend="sdpa" if cpu else "varlen",
                        mix="short", lora_rank=8, steps=1, timed=2, warmup=1)
-        return cls()
+        return cls(autocast="bf16" if device.type == "cuda" else "none")
 
 
 class BreakdownScenario(Scenario):

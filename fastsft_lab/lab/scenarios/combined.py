@@ -15,8 +15,8 @@ gradient checkpointing. Variants, interleaved step by step on the same batches:
 * the ablation: ``all fast`` with one optimization back to its naive form at a time.
 
 ``kernels=liger`` builds the model again with the fast-kernel floor the published fixes assume -- Liger-Kernel's
-RMSNorm, SwiGLU (Qwen3) and RoPE, and fastsft_lab's fused linear cross-entropy (Liger's reads the token count back
-with ``.item()``) -- and runs the default, all-naive and all-fast variants on it. Liger patches RoPE module-wide, so
+RMSNorm, SwiGLU (Qwen3) and RoPE, fastsft_lab's fused linear cross-entropy (Liger's reads the token count back
+with ``.item()``) and fused LoRA (:mod:`fastsft_lab.lora`) -- and runs the default, all-naive and all-fast variants on it. Liger patches RoPE module-wide, so
 a model's ``none`` configuration runs before its ``liger`` one. Per variant: forward, backward, step, tokens/s,
 MFU (model FLOPs ``6 N T`` + attention over the GPU's dense bf16 peak), host syncs per step, peak memory.
 """
@@ -31,6 +31,7 @@ from torch import nn
 
 from ...data import benchmark_batches
 from ...env import environment
+from ...lora import enable_fused_lora, fused_lora_targets
 from ...loss import enable_fused_loss
 from ...models import LoraSettings, base_model, build_model, get_preset
 from ...moe import set_moe_routing
@@ -40,6 +41,15 @@ from ..flops import peak_flops
 from ..harness import AUTOCAST, Variant, format_table, make_result, run_variants, with_autocast, write_json
 from ..plots import plot_waterfall, save_figure
 from ..scenario import OptionError, Scenario, option
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "unknown"
+
 
 def build_combined_model(preset, *, num_layers: int | None, lora_rank: int, device: torch.device) -> nn.Module:
     """The model the combined scenario (and the breakdown) measures: NF4 for the real Qwen3, LoRA on every
@@ -137,9 +147,8 @@ def combined_variants(model: nn.Module, *, is_moe: bool, packed: str = "varlen",
 
 
 def apply_liger(model: nn.Module, family: str) -> dict:
-    """Liger-Kernel's RMSNorm, SwiGLU (Qwen3) and RoPE on this model, and fastsft_lab's fused loss (irreversible for
-    Liger's module patches: the scenario builds a fresh model for it)."""
-    import liger_kernel
+    """Liger-Kernel's RMSNorm, SwiGLU (Qwen3) and RoPE on this model, and fastsft_lab's fused loss and fused LoRA
+    (irreversible for Liger's module patches: the scenario builds a fresh model for it)."""
     from liger_kernel.transformers import monkey_patch as mp
 
     base = base_model(model)
@@ -152,9 +161,11 @@ def apply_liger(model: nn.Module, family: str) -> dict:
     else:
         raise ValueError(f"no Liger recipe for family {family!r}")
     enable_fused_loss(model)
-    return {"liger_kernel": getattr(liger_kernel, "__version__", "unknown"),
-            "kernels_detail": "liger rms_norm + rope" + (" + swiglu" if family == "qwen3" else "") +
-            " + fastsft fused loss"}
+    detail = "liger rms_norm + rope" + (" + swiglu" if family == "qwen3" else "") + " + fastsft fused loss"
+    if fused_lora_targets(model):
+        enable_fused_lora(model)
+        detail += " + fastsft fused LoRA"
+    return {"liger_kernel": _version("liger-kernel"), "kernels_detail": detail}
 
 
 # --- the scenario ---------------------------------------------------------------------------------------------------
@@ -165,7 +176,7 @@ class CombinedOptions:
     tokens: list = option([8192], kind="ints", help="tokens per step")
     moe_row_tokens: int = option(4096, kind="int", help="tokens per packed row for MoE models (dense: one row)")
     kernels: list = option(["none", "liger"], kind="strs", help="none and/or liger (the fast-kernel floor)")
-    autocast: str = option("none", kind="str", help="none, bf16 or fp16: every variant under torch.autocast (what "
+    autocast: str = option("none", kind="str", help="none, bf16 or fp16 (GPU default bf16): every variant under torch.autocast (what "
                            "SFTTrainer(bf16=True) does; PEFT's fp32 adapters then run their matmuls in bf16)")
     variants: str = option("all", kind="str", help="all, or core (default, all naive, all fast)")
     backend: str = option("varlen", kind="str", help="packed-attention backend of the packed variants")
@@ -182,7 +193,7 @@ class CombinedOptions:
             return cls(models=["tiny-qwen3", "tiny-gpt-oss"], tokens=[512], moe_row_tokens=256,
                        kernels=["none"] if cpu else ["none", "liger"], lora_rank=8, mix="short",
                        backend="sdpa" if cpu else "varlen", steps=4, warmup=1)
-        return cls()
+        return cls(autocast="bf16" if device.type == "cuda" else "none")
 
 
 def validate_models_and_kernels(opts, device: torch.device) -> None:
