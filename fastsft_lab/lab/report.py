@@ -54,13 +54,16 @@ def combined_table() -> str:
     out = []
     order = {"none": 0, "liger": 1}
     for d in sorted(docs, key=lambda d: (d["config"]["model"], -d["config"]["num_layers"], d["config"]["tokens_per_step"],
+                                         d["config"].get("autocast", "none") == "none",
                                          order.get(d["config"]["kernels"], 2))):
         c = d["config"]
         rows = [v for v in d["variants"]]
         base = next((v for v in rows if v["name"] == "transformers default" and "step_ms" in v), None)
         quant = "bf16 weights" if c.get("quant") in (None, "none") else f"{c['quant'].upper()} weights"
+        cast = c.get("autocast", "none")
         out.append(f"**{c['model']}, {_depth(c)}, {c['tokens_per_step']} tokens/step, kernels: "
-                   f"{c['kernels']}** ({quant}, LoRA r{c.get('lora_rank')}; {c.get('steps')} measured steps, run "
+                   f"{c['kernels']}, {'autocast ' + cast if cast != 'none' else 'no autocast'}** "
+                   f"({c.get('kernels_detail', 'stock kernels')}; {quant}, LoRA r{c.get('lora_rank')}; {c.get('steps')} measured steps, run "
                    f"`{R.run_of(d)}`)\n")
         out.append("| variant | step ms | vs default | tokens/s | MFU | host syncs/step | peak GiB |")
         out.append("|---|---|---|---|---|---|---|")
@@ -350,16 +353,28 @@ def breakdown_table() -> str:
     if not docs:
         return ("_No committed GPU run of the breakdown scenario yet (`bench --only breakdown`); notebook 04 shows the "
                 "CPU smoke breakdown._")
-    out = []
+    labels: dict[str, str] = {}
     for d in docs:
-        b, c = d["breakdown"], d["config"]
-        cats = sorted(b["categories"].items(), key=lambda kv: -kv[1]["ms"])
-        out.append(f"**{c['model']}** ({_depth(c)}, {c['tokens_per_step']} tokens, kernels {c.get('kernels')}): step "
-                   f"{b['step_ms']:.1f} ms — " + ", ".join(f"{k} {v['ms']:.0f} ms ({100 * v['share']:.0f}%)"
-                                                         for k, v in cats) +
-                   f". Next bottleneck: {d.get('bottleneck', {}).get('sentence', '–')}")
-    out.append(f"\nSource: {_source(docs)}.")
-    return "\n\n".join(out)
+        for row in d["breakdown"]["categories"]:
+            labels.setdefault(row["category"], row["label"])
+    labels["idle"] = labels.get("idle", "idle")
+    heads = [f"{d['config']['model']} ({_depth(d['config'])}), kernels {d['config'].get('kernels')}"
+             f"{' + fused LoRA' if 'fused LoRA' in d['config'].get('kernels_detail', '') else ''}, autocast "
+             f"{d['config'].get('autocast', 'none')}" for d in docs]
+    out = ["| ms (share of the profiled step) | " + " | ".join(heads) + " |", "|---" * (len(docs) + 1) + "|"]
+    for cat, label in labels.items():
+        cells = []
+        for d in docs:
+            row = next((r for r in d["breakdown"]["categories"] if r["category"] == cat), None)
+            cells.append(f"{row['ms']:.1f} ({100 * row['share']:.0f}%)" if row and row["ms"] else "–")
+        if any(c != "–" for c in cells):
+            out.append(f"| {label} | " + " | ".join(cells) + " |")
+    out.append("| **profiled step** | " + " | ".join(f"**{d['breakdown']['step_ms']:.1f}**" for d in docs) + " |")
+    tokens = sorted({d["config"]["tokens_per_step"] for d in docs})
+    out.append("\n" + " ".join(f"{h}: {d.get('bottleneck', {}).get('sentence', '–')}." for h, d in zip(heads, docs)))
+    out.append(f"\nAll-fast step, {', '.join(map(str, tokens))} tokens; device time per category (module scope and "
+               f"backward-node sequence numbers), summing to the profiled step. Source: {_source(docs)}.")
+    return "\n".join(out)
 
 
 TABLES = {"combined": combined_table, "packed": packed_table, "regime": regime_table, "offload": offload_table,

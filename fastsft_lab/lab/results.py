@@ -185,10 +185,12 @@ def packed_regime(root=None, device_type: str = "cuda") -> list[dict]:
 
 
 def combined_results(root=None, device_type: str = "cuda") -> list[dict]:
-    """The newest committed result of each combined configuration (model, depth, tokens, kernels), across runs: a
-    later run at another depth does not hide the full-depth headline. Each names its run (``run_of``)."""
+    """The newest committed result of each combined configuration (model, depth, tokens, kernels, autocast), across
+    runs: a later run at another depth or under autocast does not hide the full-depth headline or the ablation run
+    without it. Each names its run (``run_of``)."""
     return newest_per_config(load_results("combined", root=root, device_type=device_type), lambda d: (
-        d["config"]["model"], d["config"]["num_layers"], d["config"]["tokens_per_step"], d["config"]["kernels"]))
+        d["config"]["model"], d["config"]["num_layers"], d["config"]["tokens_per_step"], d["config"]["kernels"],
+        d["config"].get("autocast", "none")))
 
 
 def experts_profile(root=None, device_type: str = "cuda") -> dict | None:
@@ -220,12 +222,14 @@ def experts_profile_rows(doc: dict) -> list[dict]:
 
 
 def breakdown_results(root=None, device_type: str | None = "cuda") -> list[dict]:
-    """The newest run's breakdown results (``bench --only breakdown``), one per (model, depth, tokens, kernels), in
-    the order model, then kernels ``none`` before ``liger``."""
+    """The newest run's breakdown results (``bench --only breakdown``), one per (model, depth, tokens, kernels,
+    autocast), in the order model, depth, kernels ``none`` before ``liger``, autocast ``none`` first."""
     docs = newest_per_config(load_results("breakdown", root=root, device_type=device_type, newest_run=True),
                              key=lambda d: (d["config"]["model"], d["config"].get("num_layers"),
-                                            d["config"].get("tokens_per_step"), d["config"].get("kernels")))
-    return sorted(docs, key=lambda d: (d["config"]["model"], d["config"].get("kernels") != "none"))
+                                            d["config"].get("tokens_per_step"), d["config"].get("kernels"),
+                                            d["config"].get("autocast", "none")))
+    return sorted(docs, key=lambda d: (d["config"]["model"], d["config"].get("num_layers") or 0,
+                                       d["config"].get("kernels") != "none", d["config"].get("autocast", "none") != "none"))
 
 
 __all__ = ["all_results", "load_results", "run_of", "newest_per_config", "describe_run", "build_index",
