@@ -150,6 +150,11 @@ MUTATIONS = [
              "shift = labels.reshape(-1)", ("tests/test_loss.py",)),
     Mutation("fused-ce-ignored-rows-keep-a-gradient", "fastsft_lab/loss.py",
              "                grad = grad * valid\n", "", ("tests/test_loss.py", "-k", "interpreted")),
+    Mutation("fused-lora-unscaled", "fastsft_lab/lora.py",
+             "out2d.addmm_(xa, b.t(), alpha=self.scaling[name])", "out2d.addmm_(xa, b.t())",
+             ("tests/test_lora.py",)),
+    Mutation("fused-lora-dropout-skipped", "fastsft_lab/lora.py",
+             "xd = self.lora_dropout[name](x).to(dtype)", "xd = x.to(dtype)", ("tests/test_lora.py",)),
 ]
 
 

@@ -187,10 +187,11 @@ same = [d for d in combined if peer and d["config"]["num_layers"] == peer[0]["co
 for d in same:
     for v in d["variants"]:
         if v["name"] in ("transformers default", "all naive", "all fast") and "step_ms" in v:
-            rows.append((f"fastsft {v['name']} ({d['config']['kernels']})", v["step_ms"]["median"],
+            rows.append((f"fastsft {v['name']} ({d['config']['kernels']}, autocast "
+                         f"{d['config'].get('autocast', 'none')})", v["step_ms"]["median"],
                          v.get("peak_mem_bytes"), v.get("host_syncs_per_step")))
 for name, ms, peak, syncs in rows:
-    print(f"  {name:44s} {ms:8.1f} ms   {peak / 2**30 if peak else float('nan'):6.1f} GiB   syncs {syncs}")
+    print(f"  {name:60s} {ms:8.1f} ms   {peak / 2**30 if peak else float('nan'):6.1f} GiB   syncs {syncs}")
 # who leads: the fastest peer run against our fastest all-fast run at the same shape
 peers = [v for d in peer for v in d["variants"] if "step_ms" in v]
 ours = [v for d in same for v in d["variants"] if v["name"] == "all fast" and "step_ms" in v]
@@ -368,14 +369,16 @@ display(fig); plt.close(fig)
   shows each fix's share, the ablation what each one is worth on top of the others.
 - Against stock transformers the gain is large where stock transformers is slow (GPT-OSS's eager attention over
   whole packed rows); against a careful baseline (all naive) it is the three fixes' own share; under fast kernels (the
-  fused loss) the glue is a larger share of the step, as the published fixes assume.
+  fused loss, fused LoRA, Liger's norms, SwiGLU and RoPE) the glue is a larger share of the step, as the published
+  fixes assume. Run the step under `torch.autocast(bfloat16)` as `SFTTrainer(bf16=True)` does: without it PEFT
+  computes QLoRA's float32 adapters in float32 (the breakdown's "LoRA" row without autocast).
 - The peer to beat is Unsloth; the cell above puts both on the same batches and says who leads, by medians and by
   the peer's mean step. It is only as good as its spread: a peer still compiling in its measured steps needs a
   longer run before a ratio means anything (the committed run has 50 steps per side). Where the all-fast step's
   time goes (the breakdown above) is where the remaining gap must be found.
 
 **Further reading.** `python -m fastsft_lab bench --only combined --help`; the library: `fastsft_lab.apply`,
-`fastsft_lab.loss`, `fastsft_lab.callbacks.StepStatsCallback` (for TRL's `SFTTrainer`, see the README's recipe);
+`fastsft_lab.loss`, `fastsft_lab.lora`, `fastsft_lab.callbacks.StepStatsCallback` (for TRL's `SFTTrainer`, see the README's recipe);
 `tests/test_training.py` (the 200-step curves in CI).
 '''),
 ("code", r'''
