@@ -167,3 +167,20 @@ def test_autocast_runs_the_lora_matmuls_in_bf16_and_is_refused_when_unknown():
         with_autocast([Variant("v")], "fp8")
     with pytest.raises(OptionError, match="autocast must be one of"):
         run_scenario("combined", device="cpu", smoke=True, out_dir="/tmp/unused", autocast="fp8")
+
+
+def test_limit_gap_chart_draws_each_row_over_the_limit_in_percent():
+    from fastsft_lab.lab.plots import plot_limit_gap
+
+    def doc(backend, cached, collated, oracle):
+        ms = lambda m: {"step_ms": {"median": m}}   # noqa: E731
+        return {"config": {"backend": backend, "tokens_per_step": 4096, "model": "m", "num_layers": 2, "mix": "short"},
+                "env": {}, "variants": [{"name": f"{backend} cached", **ms(cached)},
+                                        {"name": f"{backend} cached (collated)", **ms(collated)},
+                                        {"name": f"{backend} oracle", **ms(oracle)},
+                                        {"name": f"{backend} naive", "error": "RuntimeError: x"}]}
+
+    fig = plot_limit_gap([doc("sdpa", 102.0, 100.5, 100.0), doc("flex", 99.0, 101.0, 100.0)])
+    heights = sorted(round(p.get_height(), 6) for p in fig.axes[0].patches if p.get_width() < 1)
+    assert heights == [-1.0, 0.5, 1.0, 2.0]
+    assert plot_limit_gap([{"config": {}, "env": {}, "variants": [{"name": "sdpa naive", "error": "x"}]}]) is None

@@ -89,6 +89,44 @@ def plot_result(result: dict, phases: Sequence[str] = ("forward", "step"), title
 WATERFALL = ("transformers default", "packed (cached metadata)", "+ sync_free experts", "all fast")
 
 
+def plot_limit_gap(results: Sequence[dict], rows: Sequence[str] = ("cached", "cached (collated)"),
+                   limit: str = "oracle", band: float = 0.005):
+    """Step time of ``rows`` over the ``limit`` variant's, in percent, one group of bars per result.
+
+    Variant names are ``"<backend> <row>"`` (the packed scenario's); a dotted band marks +-``band`` (the target).
+    Returns None when no result has the limit and one of the rows.
+    """
+    plt = _plt()
+    groups = []
+    for r in results:
+        by = {v["name"].split(" ", 1)[1]: v for v in r["variants"] if " " in v["name"] and "step_ms" in v}
+        if limit in by and any(row in by for row in rows):
+            lim = by[limit]["step_ms"]["median"]
+            groups.append((f"{r['config']['backend']}\n{r['config']['tokens_per_step']} tok",
+                           [100 * (by[row]["step_ms"]["median"] / lim - 1) if row in by else None for row in rows]))
+    if not groups:
+        return None
+    fig, ax = plt.subplots(figsize=(max(6.5, 0.9 * len(groups) + 2), 4.2))
+    width = 0.8 / len(rows)
+    for j, (row, color) in enumerate(zip(rows, (_GREY, _BLUE, _ORANGE, _RED))):
+        xs = [i + (j - (len(rows) - 1) / 2) * width for i, (_, vals) in enumerate(groups) if vals[j] is not None]
+        vals = [vals[j] for _, vals in groups if vals[j] is not None]
+        bars = ax.bar(xs, vals, width=width, color=color, label=row)
+        _label_bars(ax, bars, vals, [max(v, 0) for v in vals], fmt="{:+.2f}%")
+    ax.axhspan(-100 * band, 100 * band, color=_GREY, alpha=0.15, label=f"+-{band:.1%} of the {limit}")
+    ax.axhline(0, color="gray", lw=0.8)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([g for g, _ in groups], fontsize=8)
+    ax.set_ylabel(f"step time over the {limit}, % (lower is better)", fontsize=8)
+    ax.margins(y=0.15)
+    ax.legend(fontsize=7)
+    cfg, env = results[0].get("config", {}), results[0].get("env", {})
+    ax.set_title(f"{cfg.get('model')} x{cfg.get('num_layers')} | {cfg.get('mix')} | {_where(results[0])} | "
+                 f"{env.get('date', '')[:10]}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 def plot_waterfall(result: dict):
     """From the stock path to all fast, one optimization at a time: each bar floats from the speed before it to the
     speed after it (1.00x = transformers' default), so its height is what that optimization adds. The other
@@ -361,10 +399,6 @@ def plot_host_device_timeline(timelines: dict[str, dict], ax=None, title: str | 
     return ax
 
 
-__all__ = ["save_figure", "plot_result", "plot_waterfall", "plot_regime", "plot_offload_result", "plot_across_tokens", "plot_sweep",
-           "plot_timeline", "plot_timelines", "plot_host_device_timeline"]
-
-
 def plot_offload_link(result: dict):
     """Offloaded checkpointing behind emulated host links (scenario ``offload_link``): left, step speed against
     plain checkpointing (1.00x: no copies, the same for every link) of x1 and x2 vs link bandwidth, measured
@@ -450,9 +484,6 @@ def plot_offload_link(result: dict):
     return fig
 
 
-__all__.append("plot_offload_link")
-
-
 # --- where the time goes (fastsft_lab.lab.breakdown) ---------------------------------------------------------------
 BREAKDOWN_COLORS = {"attention": "#4C72B0", "experts": "#DD8452", "dense": "#55A868", "nf4_dequant": "#8DBF8B",
                     "lora": "#C44E52", "loss_head": "#8172B3", "elementwise": "#937860", "copies": "#DA8BC3",
@@ -504,9 +535,6 @@ def plot_breakdown(results: Sequence[dict], *, min_label: float = 0.04):
     return fig
 
 
-__all__ += ["plot_breakdown", "BREAKDOWN_COLORS"]
-
-
 def plot_experts_profile(doc: dict):
     """One MoE layer's experts (``benchmarks/experts_profile.py``): per preset and token count, forward + backward ms
     of the grouped matmuls alone (the limit), sync_free, and sync_free with every fused kernel off; each bar labelled
@@ -539,4 +567,6 @@ def plot_experts_profile(doc: dict):
     return fig
 
 
-__all__.append("plot_experts_profile")
+__all__ = ["save_figure", "plot_result", "plot_limit_gap", "plot_waterfall", "plot_regime", "plot_offload_result",
+           "plot_across_tokens", "plot_sweep", "plot_timeline", "plot_timelines", "plot_host_device_timeline",
+           "plot_offload_link", "plot_breakdown", "BREAKDOWN_COLORS", "plot_experts_profile"]
