@@ -4,7 +4,8 @@
 #   benchmarks/gpu_session.sh STAGE[:LIMIT_S] [STAGE[:LIMIT_S] ...]
 #
 # Stages (each one's output goes to $OUT/<stage>.log; every figure lands in benchmarks/results/$RUN/):
-#   cuda-tests        pytest -m cuda over the whole suite (every GPU session starts with it; its log is committed)
+#   cuda-tests        pytest -m cuda over $CUDA_TESTS (default: the whole suite, tests/; every GPU session starts
+#                     with it; its log is committed)
 #   check             every scenario in smoke mode on the GPU (shakes out CUDA-only bugs in seconds)
 #   bench-NAME        `python -m fastsft_lab bench --full --only NAME` (packed, offload, moe, combined);
 #                     extra flags from $BENCH_NAME (e.g. BENCH_moe="--set moe.tokens=8192")
@@ -16,7 +17,8 @@
 #   unsloth           benchmarks/unsloth_peer.py in its own site folder (.whl-unsloth)
 #
 # RUN names the results folder (default h200-<UTC date>). Everything comes back as one tarball, $OUT/session.tgz
-# (the device returns at most a few files): benchmarks/results/$RUN and the executed notebooks.
+# (the device returns at most a few files): benchmarks/results/$RUN and the executed notebooks, rewritten after every
+# stage so that a call cut short at its limit still returns what the finished stages measured.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 RUN=${RUN:-h200-$(date -u +%Y-%m-%d)}
@@ -41,7 +43,7 @@ run_stage() {
   echo "=== $stage (limit ${limit}s) $(date -u +%H:%M:%S)" | tee -a "$OUT/session.log"
   case "$stage" in
     cuda-tests)
-      timeout "$limit" python3 -m pytest -q -m cuda tests -p no:cacheprovider --no-header -rfEs 2>&1 \
+      timeout "$limit" python3 -m pytest -q -m cuda ${CUDA_TESTS:-tests} -p no:cacheprovider --no-header -rfEs 2>&1 \
         | grep -v '^\s*$' > "$log" ;;
     check)
       MPLBACKEND=Agg timeout "$limit" python3 -m fastsft_lab bench --smoke --device cuda --out "$R/check" --quiet \
@@ -70,9 +72,9 @@ run_stage() {
   local rc=$?
   echo "    $stage exit $rc $(date -u +%H:%M:%S)" | tee -a "$OUT/session.log"
   tail -25 "$log" >> "$OUT/session.log"
+  cp "$OUT/session.log" "$R/logs/session.log"
+  tar czf "$OUT/session.tgz" "$R" notebooks/*.ipynb
 }
 
 for s in "$@"; do run_stage "$s"; done
-cp "$OUT/session.log" "$R/logs/session.log"
-tar czf "$OUT/session.tgz" "$R" notebooks/*.ipynb
 ls -la "$OUT"

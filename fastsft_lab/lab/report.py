@@ -35,7 +35,12 @@ def _source(docs: list[dict]) -> str:
     runs = sorted({R.run_of(d) for d in docs})
     env = docs[0]["env"]
     return (f"{env.get('gpu_name')}, torch {env.get('torch')}, transformers {env.get('transformers')}; run "
-            f"{', '.join(f'`benchmarks/results/{r}`' for r in runs)} ({min(d['env'].get('date', '')[:10] for d in docs)})")
+            f"{', '.join(f'`benchmarks/results/{r}`' for r in runs)} ({_dates(docs)})")
+
+
+def _dates(docs: list[dict]) -> str:
+    days = sorted({d["env"].get("date", "")[:10] for d in docs} - {""})
+    return days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}" if days else "undated"
 
 
 def _depth(c: dict) -> str:
@@ -276,7 +281,7 @@ def _mem_parts(v: dict) -> str:
 
 
 def peer_table() -> str:
-    docs = R.load_results("peer-unsloth", newest_run=True)
+    docs, same = R.peer_results()
     if not docs:
         return "_No committed Unsloth run yet (`benchmarks/unsloth_peer.sh`)._"
     out = ["| system | step ms (median) | p20–p80 ms | steps | memory GiB: resident → after forward → peak | "
@@ -289,9 +294,6 @@ def peer_table() -> str:
             else:
                 out.append(f"| {v['name']} | {v.get('error', '–')[:100]} | | | | |")
     c = docs[0]["config"]
-    same = [d for d in R.load_results("combined", newest_run=True)
-            if d["config"]["model"] == c.get("model") and d["config"]["num_layers"] == c.get("num_layers")
-            and d["config"]["tokens_per_step"] == c.get("tokens_per_step")]
     for d in same:
         for v in d["variants"]:
             if v["name"] in ("transformers default", "all naive", "all fast") and "step_ms" in v:

@@ -193,6 +193,20 @@ def combined_results(root=None, device_type: str = "cuda") -> list[dict]:
         d["config"].get("autocast", "none")))
 
 
+def peer_results(root=None, device_type: str = "cuda") -> tuple[list[dict], list[dict]]:
+    """The newest Unsloth peer run (``peer-unsloth`` documents) and our combined results from the *same* run folder
+    at its model, depth and tokens per step: both sides of the comparison from one session, on the same batches.
+    ``([], [])`` when no peer run was committed."""
+    peer = load_results("peer-unsloth", root=root, device_type=device_type, newest_run=True)
+    if not peer:
+        return [], []
+    c, run = peer[0]["config"], run_of(peer[0])
+    ours = [d for d in load_results("combined", root=root, device_type=device_type) if run_of(d) == run
+            and (d["config"]["model"], d["config"]["num_layers"], d["config"]["tokens_per_step"])
+            == (c.get("model"), c.get("num_layers"), c.get("tokens_per_step"))]
+    return peer, ours
+
+
 def experts_profile(root=None, device_type: str = "cuda") -> dict | None:
     """The newest committed experts profile (``benchmarks/experts_profile.py``): one MoE layer's experts against the
     grouped matmuls alone, per preset and token count; None if there is none."""
@@ -232,7 +246,7 @@ def breakdown_results(root=None, device_type: str | None = "cuda") -> list[dict]
                                        d["config"].get("kernels") != "none", d["config"].get("autocast", "none") != "none"))
 
 
-__all__ = ["all_results", "load_results", "run_of", "newest_per_config", "describe_run", "build_index",
+__all__ = ["all_results", "load_results", "run_of", "newest_per_config", "describe_run", "build_index", "peer_results",
            "write_index", "offload_results", "packed_regime", "step_spread", "unsettled", "UNSETTLED_SPREAD",
            "repo_results_dir", "INDEX"]
 __all__.append("breakdown_results")

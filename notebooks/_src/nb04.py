@@ -169,7 +169,7 @@ offloaded checkpointing, double buffer on and off (`benchmarks/unsloth_peer.py`)
 on this torch its packed SDPA attends segment by segment.
 '''),
 ("code", r'''
-peer = results.load_results("peer-unsloth", newest_run=True)
+peer, same = results.peer_results()      # both sides from the peer's own session (same GPU, day and batches)
 if not peer:
     print("No committed Unsloth run yet (benchmarks/unsloth_peer.sh on the GPU machine).")
 rows = []
@@ -182,8 +182,6 @@ for i, doc in enumerate(peer):
     if i == 0:
         print(f"[{results.describe_run(doc)}; {doc['config'].get('model')} x{doc['config'].get('num_layers')}, "
               f"{doc['config'].get('tokens_per_step')} tokens]")
-same = [d for d in combined if peer and d["config"]["num_layers"] == peer[0]["config"].get("num_layers")
-        and d["config"]["model"] == peer[0]["config"].get("model")]
 for d in same:
     for v in d["variants"]:
         if v["name"] in ("transformers default", "all naive", "all fast") and "step_ms" in v:
