@@ -139,9 +139,11 @@ host syncs per step, peak memory.
 combined = results.combined_results()   # the newest run of each configuration
 if not combined:
     print("No committed GPU run of the combined scenario yet (python -m fastsft_lab bench --only combined).")
-for doc in sorted(combined, key=lambda d: (d["config"]["model"], d["config"]["tokens_per_step"], d["config"]["kernels"])):
+for doc in sorted(combined, key=lambda d: (d["config"]["model"], -d["config"]["num_layers"], d["config"]["tokens_per_step"],
+                                           d["config"]["kernels"], d["config"].get("autocast", "none"))):
     c = doc["config"]
-    print(f"\n{c['model']} x{c['num_layers']} | {c['tokens_per_step']} tokens | kernels: {c['kernels']} | {results.describe_run(doc)}")
+    print(f"\n{c['model']} x{c['num_layers']} | {c['tokens_per_step']} tokens | kernels: {c['kernels']} | autocast "
+          f"{c.get('autocast', 'none')} | {results.describe_run(doc)}")
     print(f"  {'variant':32s} {'step ms':>9s} {'tokens/s':>9s} {'MFU':>6s} {'syncs':>6s} {'peak GiB':>9s}")
     for v in doc["variants"]:
         if "step_ms" not in v:
