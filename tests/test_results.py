@@ -44,3 +44,31 @@ def test_a_widely_spread_variant_is_unsettled_and_the_peer_table_says_so():
     if peers:          # the table ranks by the fastest peer's median: it must say when that median settles nothing
         fastest = min(peers, key=lambda v: v["step_ms"]["median"])
         assert ("not settled" in report.peer_table()) == R.unsettled(fastest)
+
+
+def test_moe_glue_floor_counts_each_glue_tensor_once_and_feeds_the_profile_rows():
+    from fastsft_lab.lab.flops import moe_glue_bytes, peak_bandwidth
+    from fastsft_lab.lab.results import experts_profile_rows
+
+    T, k, H, I = 8, 2, 4, 3           # noqa: E741
+    R = T * k
+    gather, gate, combine = T * H + R * H, 2 * R * I + R * I, R * H + T * H
+    combine_bwd, gate_bwd, gather_bwd = T * H + 2 * R * H, R * I + 2 * R * I + 2 * R * I, R * H + T * H
+    assert moe_glue_bytes(T, k, H, I) == 2 * (gather + gate + combine + combine_bwd + gate_bwd + gather_bwd)
+    assert moe_glue_bytes(T, k, H, I, itemsize=4) == 2 * moe_glue_bytes(T, k, H, I)
+    assert peak_bandwidth("NVIDIA H200") == 4.8e12 and peak_bandwidth("Some GPU") is None
+
+    ops = [{"name": "aten::_grouped_mm", "ms": 2.0}, {"name": "FusedCombine", "ms": 0.5}]
+    doc = {"env": {"gpu_name": "NVIDIA H200"},
+           "cases": [{"preset": "qwen3-30b-a3b", "tokens": 8192, "top_k": 8, "hidden_size": 2048,
+                      "rows": [{"name": "expert matmuls alone", "step_ms": {"median": 2.2}},
+                               {"name": "sync_free", "step_ms": {"median": 3.0},
+                                "profile_step": {"gpu_busy_ms": 3.0, "ops": ops}}]}]}
+    (row,) = experts_profile_rows(doc)
+    floor = moe_glue_bytes(8192, 8, 2048, 768) / 4.8e12 * 1e3     # moe_intermediate_size of the preset, not 6144
+    assert abs(row["glue_floor_ms"] - floor) < 1e-9
+    assert abs(row["sync_free"]["glue_ms"] - 1.0) < 1e-9
+    assert abs(row["sync_free"]["best_unfused_vs_grouped_mm"] - (2.0 + floor) / 2.0) < 1e-9
+    doc["env"]["gpu_name"] = "Some GPU"                               # no data sheet: no floor, no ratio
+    (row,) = experts_profile_rows(doc)
+    assert "glue_floor_ms" not in row and "best_unfused_vs_grouped_mm" not in row["sync_free"]

@@ -9,11 +9,40 @@ PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "B200": 2250e12, "A100": 312e12, "L
              "A10G": 70e12, "T4": 65e12, "RTX 4090": 165e12, "RTX 3090": 71e12}
 
 
-def peak_flops(gpu_name: str | None) -> float | None:
-    for key, value in PEAK_BF16.items():
+# HBM bandwidth, bytes/s, from the same data sheets (SXM parts where there are several): the floor of memory-bound
+# work such as the MoE glue (see moe_glue_bytes).
+PEAK_HBM = {"H200": 4.8e12, "H100": 3.35e12, "B200": 8.0e12, "A100": 2.039e12, "L40S": 0.864e12, "L4": 0.3e12,
+            "A10G": 0.6e12, "T4": 0.32e12, "RTX 4090": 1.008e12, "RTX 3090": 0.936e12}
+
+
+def _by_name(table: dict, gpu_name: str | None) -> float | None:
+    for key, value in table.items():
         if gpu_name and key in gpu_name:
             return value
     return None
+
+
+def peak_flops(gpu_name: str | None) -> float | None:
+    """The GPU's dense bf16 tensor-core peak, FLOP/s (None for a GPU not in ``PEAK_BF16``)."""
+    return _by_name(PEAK_BF16, gpu_name)
+
+
+def peak_bandwidth(gpu_name: str | None) -> float | None:
+    """The GPU's HBM bandwidth, bytes/s (None for a GPU not in ``PEAK_HBM``)."""
+    return _by_name(PEAK_HBM, gpu_name)
+
+
+def moe_glue_bytes(tokens: int, top_k: int, hidden: int, intermediate: int, itemsize: int = 2) -> int:
+    """Fewest HBM bytes the glue around an MoE layer's two grouped matmuls moves in one forward + backward (input
+    and routing-weight gradients; expert weights frozen), when each glue step is its own kernel as in sync_free.
+
+    With T tokens, R = T * top_k routed rows, H hidden, I expert intermediate size, each tensor read or written once:
+    token gather T*H + R*H; gate R*2I in, R*I out; combine R*H + T*H; combine backward T*H (grad) + R*H (grad of the
+    rows) + R*H (the rows again, for the routing-weight gradient); gate backward R*I + R*2I in, R*2I out; token-gather
+    backward R*H + T*H. Sum: 4*T*H + 5*R*H + 8*R*I elements. Routing (sort, offsets) and the weights are O(R) and left
+    out. Only fusing the gather and combine into the matmuls' prologue and epilogue goes below this."""
+    rows = tokens * top_k
+    return itemsize * (4 * tokens * hidden + 5 * rows * hidden + 8 * rows * intermediate)
 
 
 def step_flops(config, seq_lengths, *, active_experts: int | None = None) -> dict:

@@ -211,8 +211,9 @@ def moe_table() -> str:
         out.append("\nOne MoE layer's experts, forward + backward (input and routing-weight gradients, expert weights "
                    "frozen as under LoRA), against the grouped matmuls alone:\n")
         out.append("| preset, tokens | matmuls alone ms | sync_free ms (x limit) | sync_free, eager glue ms (x limit) | "
-                   "sync_free GPU busy / its grouped-matmul kernels |")
-        out.append("|---|---|---|---|---|")
+                   "sync_free GPU busy / its grouped-matmul kernels | sync_free glue ms / its HBM floor | "
+                   "best unfused glue (x grouped-matmul kernels) |")
+        out.append("|---|---|---|---|---|---|---|")
         for r in R.experts_profile_rows(profile):
             def cell(name):
                 v = r.get(name)
@@ -220,10 +221,16 @@ def moe_table() -> str:
             sf = r.get("sync_free") or {}
             busy = (f"{sf['gpu_busy_ms']:.2f} / {sf['grouped_mm_ms']:.2f} ms ({sf['gpu_busy_ms'] / sf['grouped_mm_ms']:.2f}x)"
                     if sf.get("grouped_mm_ms") else "–")
+            glue = (f"{sf['glue_ms']:.2f} / {r['glue_floor_ms']:.2f} ({sf['glue_ms'] / r['glue_floor_ms']:.1f}x)"
+                    if sf.get("glue_ms") and r.get("glue_floor_ms") else "–")
+            best = f"{sf['best_unfused_vs_grouped_mm']:.2f}x" if sf.get("best_unfused_vs_grouped_mm") else "–"
             out.append(f"| {r['preset']}, {r['tokens'] // 1024}k | {r['limit_ms']:.2f} | {cell('sync_free')} | "
-                       f"{cell('sync_free:eager_glue')} | {busy} |")
-        out.append(f"\nEager glue: every fused Triton kernel off (gate, combine, token-gather backward). "
-                   f"Source: {_source([profile])}; `benchmarks/experts_profile.py`.")
+                       f"{cell('sync_free:eager_glue')} | {busy} | {glue} | {best} |")
+        out.append(f"\nEager glue: every fused Triton kernel off (gate, combine, token-gather backward). Glue: sync_free's "
+                   f"GPU busy time minus its grouped-matmul kernels. HBM floor: the fewest bytes that glue moves as "
+                   f"separate kernels (`fastsft_lab.lab.flops.moe_glue_bytes`: 4TH + 5RH + 8RI bf16 elements) at the "
+                   f"GPU's data-sheet bandwidth; best unfused: the grouped-matmul kernels plus that floor, over the "
+                   f"kernels. Source: {_source([profile])}; `benchmarks/experts_profile.py`.")
     else:
         for m in micro:
             by = {v["name"]: v for v in m["variants"]}

@@ -215,13 +215,25 @@ def experts_profile(root=None, device_type: str = "cuda") -> dict | None:
 
 
 def experts_profile_rows(doc: dict) -> list[dict]:
-    """Per case of an experts profile: the limit, each implementation's step and its ratio to the limit, and the
-    GPU time of the grouped matmul kernels inside sync_free's step (what the limit is made of there)."""
+    """Per case of an experts profile: the limit, each implementation's step and its ratio to the limit, the GPU
+    time of the grouped matmul kernels inside each profiled step and the rest (``glue_ms``), and the glue's floor:
+    the fewest bytes it moves (:func:`.flops.moe_glue_bytes`) at the GPU's HBM data-sheet bandwidth
+    (``glue_floor_ms``), with the ratio an unfused glue at that floor would give over the grouped-matmul kernels
+    (``best_unfused_vs_grouped_mm``)."""
+    from ..models import PRESETS  # here, not at the top: the results loader itself needs no torch
+    from .flops import moe_glue_bytes, peak_bandwidth
+
+    bandwidth = peak_bandwidth(doc.get("env", {}).get("gpu_name"))
     rows = []
     for case in doc["cases"]:
         by = {r["name"]: r for r in case["rows"]}
         limit = (by.get("expert matmuls alone", {}).get("step_ms") or {}).get("median")
         row = {"preset": case["preset"], "tokens": case["tokens"], "limit_ms": limit}
+        cfg = PRESETS[case["preset"]].config if case["preset"] in PRESETS else {}
+        inter = cfg.get("moe_intermediate_size") or cfg.get("intermediate_size")
+        if bandwidth and inter and case.get("top_k") and case.get("hidden_size"):
+            glue_bytes = moe_glue_bytes(case["tokens"], case["top_k"], case["hidden_size"], inter)
+            row.update(glue_bytes=glue_bytes, glue_floor_ms=glue_bytes / bandwidth * 1e3)
         for name, r in by.items():
             if name == "expert matmuls alone" or not r.get("step_ms"):
                 continue
@@ -230,7 +242,10 @@ def experts_profile_rows(doc: dict) -> list[dict]:
             prof = r.get("profile_step") or {}
             gmm = sum(o["ms"] for o in prof.get("ops", []) if o["name"] == "aten::_grouped_mm")
             if gmm and prof.get("gpu_busy_ms"):
-                row[name].update(gpu_busy_ms=prof["gpu_busy_ms"], grouped_mm_ms=gmm)
+                row[name].update(gpu_busy_ms=prof["gpu_busy_ms"], grouped_mm_ms=gmm, glue_ms=prof["gpu_busy_ms"] - gmm)
+                if "glue_floor_ms" in row:
+                    # the best an unfused glue could do: its bytes at the HBM data-sheet rate, beside the same kernels
+                    row[name]["best_unfused_vs_grouped_mm"] = (gmm + row["glue_floor_ms"]) / gmm
         rows.append(row)
     return rows
 
