@@ -300,6 +300,9 @@ def count_step_syncs(model: nn.Module, batch: PackedBatch, variant: Variant, *, 
 
 
 def _progress(label: str, done: int, total: int, t_start: float) -> None:
+    """A progress bar redrawn in place on a terminal; into a log or a pipe only the finished bar (no \\r flood)."""
+    if done < total and not sys.stderr.isatty():
+        return
     elapsed = time.time() - t_start
     eta = elapsed / done * (total - done) if done else 0
     width = 24
