@@ -209,3 +209,25 @@ def test_options_are_checked():
     with pytest.raises(ValueError, match="autocast must be one of"):
         BreakdownScenario().options(torch.device("cpu"), True, {"autocast": "fp8"})
     assert BreakdownScenario().options(torch.device("cpu"), True, {"autocast": "bf16"}).autocast == "bf16"
+
+
+def test_without_profiler_moves_the_profilers_idle_out_and_renames_the_bottleneck():
+    from fastsft_lab.lab.breakdown import step_view, without_profiler
+
+    def row(cat, ms):
+        return {"category": cat, "label": cat, "ms": ms, "share": 0.0, "kernel_ms": ms, "top": []}
+
+    bd = {"step_ms": 100.0, "steps": 1, "activity": "cuda", "bottleneck": "idle", "bottleneck_work": "experts",
+          "categories": [row("experts", 30.0), row("attention", 25.0), row("idle", 45.0)], "per_step": []}
+    view = without_profiler(bd, 60.0)                      # busy 55 ms; unprofiled 60 ms: 5 ms of real idle
+    by = {r["category"]: r for r in view["categories"]}
+    assert by["idle"]["ms"] == 5.0 and by["experts"]["ms"] == 30.0 and view["step_ms"] == 60.0
+    assert abs(sum(r["share"] for r in view["categories"]) - 1) < 1e-4 and abs(by["experts"]["share"] - 0.5) < 1e-4
+    assert view["bottleneck"] == "experts" and view["profiled_idle_ms"] == 45.0 and view["profiled_step_ms"] == 100.0
+    assert bd["categories"][2]["ms"] == 45.0               # the profiled breakdown is left as measured
+    assert without_profiler(bd, 50.0)["step_ms"] == 55.0   # kernels slower under the profiler: idle 0, never below
+
+    doc = {"breakdown": bd, "variants": [{"name": "all fast", "step_ms": {"median": 60.0}}]}
+    assert step_view(doc)["step_ms"] == 60.0
+    assert step_view({**doc, "breakdown": {**bd, "activity": "cpu"}})["step_ms"] == 100.0   # a CPU run's idle is host time
+    assert step_view({"breakdown": None}) is None

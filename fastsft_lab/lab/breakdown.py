@@ -35,7 +35,9 @@ of work is then given one category:
   minus the union of busy device intervals on all streams. Overlapping work is attributed so that the parts sum
   to the step exactly: when compute kernels overlap, each gets an equal share of the overlap; a copy gets only the
   time no compute kernel runs (a copy hidden under compute costs the step nothing). ``kernel_ms`` per category is
-  the raw sum of its activity durations, overlap counted.
+  the raw sum of its activity durations, overlap counted. The profiler's own host overhead lands in ``idle``
+  wherever the step is host-bound: :func:`without_profiler` re-bases a device breakdown on the step time measured
+  without the profiler (work categories kept, idle = unprofiled step - busy), which is what the bench reports.
 
 On a CPU the categories are the self time of the host ops, and ``idle`` is host time inside the step outside any
 op (Python, hooks, the profiler itself): not device idleness, which a CPU run cannot show.
@@ -474,13 +476,53 @@ def describe_bottleneck(breakdown: dict) -> str:
     return text
 
 
+def without_profiler(breakdown: dict, unprofiled_step_ms: float) -> dict:
+    """``breakdown`` (device activity) re-based on the step time measured without the profiler.
+
+    Under ``torch.profiler`` every op and launch costs the host extra work (op records, CUPTI callbacks), so
+    wherever the step is bound by the host the device waits longer than it does unprofiled: the profiled ``idle``
+    holds the profiler's own overhead. Kernel durations are timestamped on the device and barely change. So every
+    work category keeps its ms, ``idle`` becomes the unprofiled step minus the profiled busy time (never below 0),
+    ``step_ms`` their sum and each share is of that step; the bottleneck is named again on these numbers. The
+    profiled figures stay beside them (``profiled_step_ms``, ``profiled_idle_ms``)."""
+    rows = [dict(r) for r in breakdown["categories"]]
+    idle = next(r for r in rows if r["category"] == "idle")
+    busy = breakdown["step_ms"] - idle["ms"]
+    idle["ms"] = round(max(0.0, unprofiled_step_ms - busy), 4)
+    step = busy + idle["ms"]
+    for r in rows:
+        r["share"] = round(r["ms"] / step, 5) if step else 0.0
+    worst = max(rows, key=lambda r: r["ms"])
+    worst_work = max((r for r in rows if r["category"] != "idle"), key=lambda r: r["ms"])
+    return {**breakdown, "categories": rows, "step_ms": round(step, 4), "unprofiled_step_ms": unprofiled_step_ms,
+            "profiled_step_ms": breakdown["step_ms"], "profiled_idle_ms": round(breakdown["step_ms"] - busy, 4),
+            "bottleneck": worst["category"], "bottleneck_work": worst_work["category"]}
+
+
+def step_view(result: dict) -> dict | None:
+    """The breakdown of a ``breakdown`` result as the step runs unprofiled (:func:`without_profiler`) where it was
+    profiled on a device and its unprofiled step time was measured; else the profiled breakdown as it is (a CPU
+    run's idle is host time, not device idleness). None when the result has no breakdown."""
+    bd = result.get("breakdown")
+    if not bd:
+        return None
+    timed = next((v["step_ms"]["median"] for v in result.get("variants", []) if "step_ms" in v), None)
+    if bd.get("activity") != "cuda" or not timed:
+        return bd
+    return without_profiler(bd, timed)
+
+
 def format_breakdown(breakdown: dict) -> str:
     lines = [f"{'category':24s} {'ms':>9s} {'share':>7s} {'kernel ms':>10s}  top kernel"]
     for r in breakdown["categories"]:
         top = r["top"][0]["name"][:60] if r["top"] else ""
         kms = f"{r['kernel_ms']:10.2f}" if r["kernel_ms"] is not None else f"{'-':>10s}"
         lines.append(f"{r['label']:24s} {r['ms']:9.2f} {r['share']:7.1%} {kms}  {top}")
-    lines.append(f"{'step':24s} {breakdown['step_ms']:9.2f} {1:7.1%}")
+    if "profiled_step_ms" in breakdown:
+        lines.append(f"{'step (unprofiled)':24s} {breakdown['step_ms']:9.2f} {1:7.1%}  profiled: step "
+                     f"{breakdown['profiled_step_ms']:.2f} ms, idle {breakdown['profiled_idle_ms']:.2f} ms")
+    else:
+        lines.append(f"{'step':24s} {breakdown['step_ms']:9.2f} {1:7.1%}")
     return "\n".join(lines)
 
 
@@ -516,4 +558,5 @@ def breakdown_variant(model: nn.Module, batches: Sequence, variant, *, optimizer
 
 __all__ = ["CATEGORIES", "WORK", "label", "module_categories", "ScopeLabels", "Attributor", "work_items", "attribute",
            "profile_steps", "breakdown_from_events", "breakdown_variant", "describe_bottleneck", "format_breakdown",
+           "without_profiler", "step_view",
            "STEP_LABEL", "device_events"]

@@ -492,8 +492,10 @@ BREAKDOWN_COLORS = {"attention": "#4C72B0", "experts": "#DD8452", "dense": "#55A
 
 def plot_breakdown(results: Sequence[dict], *, min_label: float = 0.04):
     """One stacked horizontal bar per breakdown result (``scenario == "breakdown"``): the step split into its
-    categories, as a share of the step, each part wide enough (``min_label``) labelled with its ms and %. The step
+    categories (on a device re-based on the unprofiled step, ``breakdown.step_view``), as a share of the step, each part wide enough (``min_label``) labelled with its ms and %. The step
     time and the named bottleneck are in each bar's label. Returns None when no result has a breakdown."""
+    from .breakdown import step_view
+
     docs = [r for r in results if r.get("breakdown")]
     if not docs:
         return None
@@ -503,7 +505,7 @@ def plot_breakdown(results: Sequence[dict], *, min_label: float = 0.04):
     seen: dict[str, str] = {}
     names = []
     for y, doc in enumerate(docs):
-        bd, c = doc["breakdown"], doc["config"]
+        bd, c = step_view(doc), doc["config"]
         left = 0.0
         for row in bd["categories"]:
             if row["ms"] <= 0:
@@ -516,15 +518,17 @@ def plot_breakdown(results: Sequence[dict], *, min_label: float = 0.04):
                         else f"{row['ms']:.1f} ms\n{row['share']:.0%}", ha="center", va="center", fontsize=7)
             left += row["share"]
         top = {r["category"]: r["label"] for r in bd["categories"]}[bd["bottleneck"]]
-        names.append(f"{c['model']} x{c['num_layers']}, {c['tokens_per_step']} tok, kernels {c.get('kernels', '-')}\n"
-                     f"step {bd['step_ms']:.0f} ms profiled; largest: {top}")
+        when = (f"step {bd['step_ms']:.0f} ms unprofiled ({bd['profiled_step_ms']:.0f} profiled)"
+                if "profiled_step_ms" in bd else f"step {bd['step_ms']:.0f} ms profiled")
+        names.append(f"{c['model']} x{c['num_layers']}, {c['tokens_per_step']} tok, kernels {c.get('kernels', '-')}, "
+                     f"autocast {c.get('autocast', 'none')}\n{when}; largest: {top}")
     ax.set_yticks(range(len(docs)))
     ax.set_yticklabels(names, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, 1)
     ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:.0%}"))
     cuda = docs[0]["breakdown"].get("activity") == "cuda"
-    ax.set_xlabel("share of the all-fast step: " + ("device time per category; idle = no kernel running" if cuda
+    ax.set_xlabel("share of the all-fast step: " + ("device time per category; idle = unprofiled step - busy time" if cuda
                   else "host ops' self time per category; idle = host time outside any op (a CPU run)"), fontsize=8)
     ax.set_title(f"Where the all-fast step goes | {_where(docs[0])}", fontsize=9)
     order = sorted(seen, key=lambda k: list(BREAKDOWN_COLORS).index(k) if k in BREAKDOWN_COLORS else len(seen))

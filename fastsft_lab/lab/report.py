@@ -362,27 +362,34 @@ def breakdown_table() -> str:
     if not docs:
         return ("_No committed GPU run of the breakdown scenario yet (`bench --only breakdown`); notebook 04 shows the "
                 "CPU smoke breakdown._")
+    from .breakdown import describe_bottleneck, step_view
+
+    views = [step_view(d) for d in docs]
     labels: dict[str, str] = {}
-    for d in docs:
-        for row in d["breakdown"]["categories"]:
+    for v in views:
+        for row in v["categories"]:
             labels.setdefault(row["category"], row["label"])
     labels["idle"] = labels.get("idle", "idle")
     heads = [f"{d['config']['model']} ({_depth(d['config'])}), kernels {d['config'].get('kernels')}"
              f"{' + fused LoRA' if 'fused LoRA' in d['config'].get('kernels_detail', '') else ''}, autocast "
              f"{d['config'].get('autocast', 'none')}" for d in docs]
-    out = ["| ms (share of the profiled step) | " + " | ".join(heads) + " |", "|---" * (len(docs) + 1) + "|"]
+    out = ["| ms (share of the step) | " + " | ".join(heads) + " |", "|---" * (len(docs) + 1) + "|"]
     for cat, label in labels.items():
         cells = []
-        for d in docs:
-            row = next((r for r in d["breakdown"]["categories"] if r["category"] == cat), None)
+        for v in views:
+            row = next((r for r in v["categories"] if r["category"] == cat), None)
             cells.append(f"{row['ms']:.1f} ({100 * row['share']:.0f}%)" if row and row["ms"] else "–")
         if any(c != "–" for c in cells):
             out.append(f"| {label} | " + " | ".join(cells) + " |")
-    out.append("| **profiled step** | " + " | ".join(f"**{d['breakdown']['step_ms']:.1f}**" for d in docs) + " |")
+    out.append("| **step without the profiler** | " + " | ".join(f"**{v['step_ms']:.1f}**" for v in views) + " |")
+    out.append("| profiled step (its idle) | " + " | ".join(
+        f"{v.get('profiled_step_ms', v['step_ms']):.1f} ({v.get('profiled_idle_ms', 0):.1f})" for v in views) + " |")
     tokens = sorted({d["config"]["tokens_per_step"] for d in docs})
-    out.append("\n" + " ".join(f"{h}: {d.get('bottleneck', {}).get('sentence', '–')}." for h, d in zip(heads, docs)))
-    out.append(f"\nAll-fast step, {', '.join(map(str, tokens))} tokens; device time per category (module scope and "
-               f"backward-node sequence numbers), summing to the profiled step. Source: {_source(docs)}.")
+    out.append("\n" + " ".join(f"{h}: {describe_bottleneck(v)}." for h, v in zip(heads, views)))
+    out.append(f"\nAll-fast step, {', '.join(map(str, tokens))} tokens; device time per category under the profiler "
+               f"(module scope and backward-node sequence numbers); idle is the step timed without the profiler minus "
+               f"that busy time (the profiler's own host overhead lengthens the gaps of a host-bound step; "
+               f"`fastsft_lab.lab.breakdown.without_profiler`). Source: {_source(docs)}.")
     return "\n".join(out)
 
 

@@ -7,8 +7,9 @@ stock kernels and once on the Liger floor (``kernels=liger``: Liger's RMSNorm, S
 loss). Per build: ``warmup`` steps, ``timed`` unprofiled steps (the step time without the profiler, CUDA events),
 then ``steps`` steps under ``torch.profiler`` whose device time is split into the categories of
 :mod:`fastsft_lab.lab.breakdown` (attention, experts, dense matmuls, NF4 dequant, LoRA, loss + LM head, norms &
-elementwise, copies & offload, optimizer, other, idle), summing to the profiled step. The largest part is the next
-bottleneck, named in the result.
+elementwise, copies & offload, optimizer, other, idle), summing to the profiled step. On a device the bottleneck
+is named on the breakdown re-based on the unprofiled step (``breakdown.step_view``: idle = unprofiled step - busy,
+so the profiler's own host overhead is not taken for the step's); the profiled breakdown is kept as measured.
 
 Smoke (a CPU): tiny models, CPU profiler activity only: the categories are host ops' self time and ``idle`` is host
 time outside any op (Python), not device idleness.
@@ -23,7 +24,7 @@ import torch
 
 from ...data import benchmark_batches
 from ...models import get_preset
-from ..breakdown import breakdown_variant, describe_bottleneck, format_breakdown
+from ..breakdown import breakdown_variant, describe_bottleneck, format_breakdown, step_view
 from ..harness import make_optimizer, make_result, run_variants, with_autocast, write_json
 from ..plots import plot_breakdown, save_figure
 from ..scenario import OptionError, Scenario, option
@@ -113,22 +114,24 @@ class BreakdownScenario(Scenario):
         result = make_result("breakdown", config, rows, device, notes=notes)
         result["breakdown"] = breakdown
         stem = f"breakdown_{preset.name}_L{config['num_layers']}_{tokens}tok_{extra['kernels']}"
-        if breakdown is not None:
-            by = {r["category"]: r for r in breakdown["categories"]}
-            top = by[breakdown["bottleneck"]]
+        view = step_view(result)         # on a device: re-based on the unprofiled step (the profiler's idle out)
+        if view is not None:
+            by = {r["category"]: r for r in view["categories"]}
+            top = by[view["bottleneck"]]
             result["bottleneck"] = {"category": top["category"], "label": top["label"], "ms": top["ms"],
                                     "share": top["share"], "top_kernel": top["top"][0]["name"] if top["top"] else None,
-                                    "largest_work": breakdown["bottleneck_work"],
-                                    "sentence": describe_bottleneck(breakdown)}
+                                    "largest_work": view["bottleneck_work"], "sentence": describe_bottleneck(view)}
             unprofiled = rows[0]["step_ms"]["median"]
             result["derived"] = {"profiled_over_unprofiled_step": round(breakdown["step_ms"] / unprofiled, 4)}
+            if "profiled_idle_ms" in view:
+                result["derived"]["idle_unprofiled_ms"] = by["idle"]["ms"]
         write_json(result, os.path.join(out_dir, stem + ".json"))
         fig = plot_breakdown([result])
         if fig is not None:
             save_figure(fig, os.path.join(out_dir, stem + ".png"))
         if breakdown is not None:
             print(f"\n  {label}: step {rows[0]['step_ms']['median']:.1f} ms unprofiled, "
-                  f"{breakdown['step_ms']:.1f} ms profiled\n" + format_breakdown(breakdown) +
+                  f"{breakdown['step_ms']:.1f} ms profiled\n" + format_breakdown(view) +
                   f"\n  {result['bottleneck']['sentence']}")
         else:
             print(f"\n  {label}: ERROR {rows[0]['error']}")
