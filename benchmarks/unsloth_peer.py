@@ -8,10 +8,13 @@ shares a process with fastsft_lab's own environment):
 weights (``fastsft_lab.models.build_model``, the harness's seed-0 init; safetensors shards), a WordLevel tokenizer
 whose vocabulary is the model's (Unsloth's loader needs one in the folder), the packed batches of
 ``fastsft_lab.data.benchmark_batches`` as plain lists (``batches.json``) and ``meta.json`` (written last: its
-presence means the export is complete).
+presence means the export is complete). Families: dense Qwen3 (default 8 layers, one row of ``tokens`` per step,
+QLoRA on all seven projections) and GPT-OSS (default every layer, rows of 4096 tokens, bf16, LoRA on q/k/v/o;
+``output_router_logits`` written false). The export first checks the file system can hold the bf16 shards
+(GPT-OSS-20B x24: ~21B parameters, ~39 GiB).
 
 ``run --dir DIR --out RESULT.json`` (Unsloth's environment; imports nothing of fastsft_lab) measures one
-training step per batch of Unsloth 2026.10's own QLoRA path and writes it in the harness's result format
+training step per batch of Unsloth 2026.10's own QLoRA path (GPT-OSS: its 16-bit LoRA path) and writes it in the harness's result format
 (``scenario``/``env``/``config``/``variants`` with ``forward_ms``/``backward_ms``/``optimizer_ms``/``step_ms`` as
 median/p20/p80/n, ``peak_mem_bytes``, ``host_syncs_per_step``, ``loss_median``). What runs:
 
@@ -44,6 +47,41 @@ median/p20/p80/n, ``peak_mem_bytes``, ``host_syncs_per_step``, ``loss_median``).
   torch.compile (torch >= 2.11) is bypassed for batches with ``packed_seq_lengths``: the decoder runs eagerly.
 * ``torch.optim.AdamW(lr=1e-6)`` over the trainable parameters, as the harness's ``make_optimizer``.
 
+GPT-OSS (``gpt-oss-20b``; read from the 2026.10.9 wheels, checked on the live model where the result says so):
+
+* Load: ``FastLanguageModel.from_pretrained`` sends any model_type other than llama/mistral/gemma/qwen2/qwen3 to
+  ``FastModel.from_pretrained`` (unsloth/models/loader.py), here with ``load_in_4bit=False, load_in_16bit=True``,
+  bf16, ``use_exact_model_name=True`` (no hub-name mapping of the folder). A config without
+  ``quantization_config`` counts as fused experts (``gpt_oss_checkpoint_has_fused_experts``,
+  unsloth/models/loader_utils.py), which a 16-bit load accepts; the folder needs config.json, the safetensors and
+  tokenizer files (no chat template). For gpt_oss the loader sets ``UNSLOTH_HIGH_PRECISION_LAYERNORM=1`` and
+  registers an fp32 upcast of the expert biases; SDPA, flash and flex are excluded as the *config's* attention
+  (unsloth/models/_utils.py), so transformers is configured "eager" and Unsloth's patch replaces the forward.
+* Attention (unsloth_zoo/temporary_patches/gpt_oss.py, ``patch_GptOssAttention`` / ``patch_GptOssModel``,
+  installed when ``UNSLOTH_MODEL_NAME`` names gpt_oss): in training ``flex_attention_with_sink(self, q, k, v)``
+  (unsloth_zoo/flex_attention/attention_sink.py): torch's compiled flex attention over a BlockMask that is causal
+  (full layers) or sliding-window 128 (``sliding_window`` layers), built once per shape and reused, sinks applied by
+  rescaling the output with ``sigmoid(lse - sink)``; the model forward drops ``attention_mask``. No mask of
+  segments exists on this path and ``packed_seq_lengths`` is read nowhere: **packed segments of a row attend to
+  each other** (position_ids restart only RoPE); unsloth/trainer.py lists gpt_oss in ``PADDING_FREE_BLOCKLIST``.
+  The batches are fed as ``(rows, 4096)`` ``input_ids``/``labels``/``position_ids`` without
+  ``packed_seq_lengths``. ``config.segments_isolated`` is False by that reading and replaced by what a probe
+  measures after the timed steps (``isolation_probe``: layer 0's attention output with the first segment's ids
+  changed must not move after it; ``causal_measured``: with the last segment changed nothing before it may move),
+  with ``segments_isolated_reason``. One segment per row is not possible with these batches, so no exact variant
+  is run: the measured step does causal-over-the-row attention, other work than our per-segment varlen, and its
+  loss is not comparable.
+* Experts (frozen, bf16): ``patch_gpt_oss_moe_for_lora`` replaces ``GptOssExperts.forward`` with
+  ``forward_native_grouped_mm`` (unsloth_zoo/temporary_patches/moe_utils.py: ``torch._grouped_mm`` when a probe
+  finds it supported, as on H100/H200; GPT-OSS's interleaved gate_up never takes its Triton grouped GEMM, else
+  ``forward_native_moe_loop``); the router is transformers' unless ``UNSLOTH_MOE_FUSED_ROUTER=1``. The result's
+  ``model`` block records the live attention/experts forwards, ``moe_backend`` and the expert dtypes.
+* LoRA r16 alpha 32 on q/k/v/o of every layer (``FastLlamaModel.get_peft_model`` -> ``FastBaseModel``, checked:
+  4 x layers adapters, nothing else trains); offloaded checkpointing is the same ``unsloth_zoo``
+  gradient_checkpointing as for Qwen3 (``use_gradient_checkpointing="unsloth"``, ``max_seq_length`` = 4096 >=
+  512), checked the same way. Loss: cross-entropy only, ``output_router_logits=False`` (no router aux loss),
+  as our combined scenario's GPT-OSS.
+
 Timing as the harness: CUDA events around forward, backward, optimizer (step + zero_grad) and the whole step,
 one sync after each step, ``warmup`` untimed steps first, batches cycled ``batch[s % n]``; peak memory is
 ``max_memory_allocated`` reset before each step (max over all steps, as the harness). Host syncs are counted over
@@ -51,7 +89,9 @@ one extra untimed step (batch 0) as the ``torch.cuda.set_sync_debug_mode("warn")
 "called a synchronizing CUDA operation" (not our dispatch-mode counter), the optimizer apart. Every failure --
 and a run where the
 measured path is not the claimed one (no 4-bit layers, packed attention not reached, no offload, double buffer
-not as asked, adapters without gradients, a non-finite loss) -- writes a result whose variant carries ``error``.
+not as asked, adapters without gradients, a non-finite loss; for GPT-OSS also 4-bit layers, router logits on,
+LoRA off its four targets, non-bf16 expert weights, Unsloth's flex-sink attention not on the model) -- writes a
+result whose variant carries ``error``.
 """
 
 from __future__ import annotations
@@ -70,6 +110,9 @@ from importlib.metadata import version as _metadata_version
 
 SCENARIO = "peer-unsloth"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GPT_OSS_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # attention only, experts frozen (combined.py)
+MOE_ROW_TOKENS = 4096  # the combined scenario's moe_row_tokens
+FAMILIES = ("qwen3", "gpt_oss")
 LORA_ALPHA = 32
 LORA_DROPOUT = 0.0
 LR = 1e-6
@@ -181,39 +224,84 @@ def _tokenizer(vocab_size: int, model_max_length: int):
                                    model_max_length=model_max_length)
 
 
-def export(out: str, model: str = "qwen3-14b", num_layers: int | None = 8, tokens: int = 8192, steps: int = 6,
-           mix: str = "realistic", lora_rank: int = 16, device: str | None = None) -> dict:
-    """Write the shared inputs of the Unsloth peer into ``out`` (see the module docstring); returns meta.json."""
+def family_defaults(family: str, tokens: int, preset_layers: int) -> dict:
+    """What the peer runs by default for a model family: the combined scenario's setup (see the docstring)."""
+    if family == "gpt_oss":
+        return {"num_layers": preset_layers, "row_tokens": min(MOE_ROW_TOKENS, tokens),
+                "targets": GPT_OSS_LORA_TARGETS, "load_in_4bit": False}
+    return {"num_layers": 8, "row_tokens": tokens, "targets": LORA_TARGETS, "load_in_4bit": True}
+
+
+def _check_free_space(folder: str, need_bytes: int) -> int:
+    """Free bytes under ``folder``; raises before anything is built if the shards cannot fit."""
+    import shutil
+
+    free = shutil.disk_usage(folder).free
+    if free < need_bytes:
+        raise OSError(f"{folder} has {free / 2**30:.1f} GiB free, the bf16 shards need ~{need_bytes / 2**30:.1f} GiB "
+                      "(set UNSLOTH_PEER_EXPORT_DIR to a larger file system, e.g. /dev/shm if it is big enough)")
+    return free
+
+
+def export(out: str, model: str = "qwen3-14b", num_layers: int | None | str = "auto", tokens: int = 8192,
+           steps: int = 6, mix: str = "realistic", lora_rank: int = 16, device: str | None = None,
+           row_tokens: int | None = None) -> dict:
+    """Write the shared inputs of the Unsloth peer into ``out`` (see the module docstring); returns meta.json.
+
+    ``num_layers="auto"``: 8 for Qwen3, every layer for GPT-OSS (None: every layer); ``row_tokens`` None: the
+    family's (one row for Qwen3, 4096-token rows for GPT-OSS, as the combined scenario's ``moe_row_tokens``)."""
     import torch
 
     import fastsft_lab
     from fastsft_lab.data import benchmark_batches
-    from fastsft_lab.models import build_model, get_preset
+    from fastsft_lab.models import build_model, count_parameters, get_preset
 
     t0 = time.time()
     for stale in ("meta.json", "export_error.json"):  # whatever happens next, no stale export looks complete
         if os.path.isfile(os.path.join(out, stale)):
             os.remove(os.path.join(out, stale))
     preset = get_preset(model)
-    if preset.family != "qwen3":
+    if preset.family not in FAMILIES:
         raise ValueError(f"preset {model!r} is a {preset.family} model: the Unsloth peer covers dense Qwen3 presets "
-                         "only (FastLanguageModel runs them through FastQwen3Model, its hand-written packed path)")
-    max_pos = preset.config["max_position_embeddings"]
-    if tokens > max_pos:
-        raise ValueError(f"tokens={tokens} exceeds {model}'s max_position_embeddings={max_pos} (Unsloth would "
-                         "rescale RoPE)")
+                         "(FastLanguageModel runs them through FastQwen3Model, its hand-written packed path) and "
+                         "GPT-OSS presets (FastModel, bf16 16-bit LoRA on attention)")
+    defaults = family_defaults(preset.family, tokens, preset.config["num_hidden_layers"])
+    if num_layers == "auto":
+        num_layers = defaults["num_layers"]
+    elif isinstance(num_layers, str) or (num_layers is not None and num_layers < 1):
+        raise ValueError(f"num_layers must be an int >= 1, None (all) or 'auto', got {num_layers!r}")
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    if tokens < 1:
+        raise ValueError(f"tokens must be >= 1, got {tokens}")
+    row_tokens = defaults["row_tokens"] if row_tokens is None else row_tokens
+    if preset.family == "qwen3" and row_tokens != tokens:
+        raise ValueError(f"row_tokens={row_tokens}: the Qwen3 peer packs one row of tokens={tokens} per step (as the "
+                         "combined scenario does for dense models)")
+    if row_tokens < 1 or tokens % row_tokens:
+        raise ValueError(f"tokens={tokens} is not a positive multiple of row_tokens={row_tokens}")
+    max_pos = preset.config["max_position_embeddings"]
+    if row_tokens > max_pos:
+        raise ValueError(f"rows of {row_tokens} tokens exceed {model}'s max_position_embeddings={max_pos} (Unsloth "
+                         "would rescale RoPE)")
+    targets = defaults["targets"]
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     os.makedirs(out, exist_ok=True)
     for name in os.listdir(out):  # only what an export writes: a stale meta.json must never survive a failure
         if name in EXPORT_FILES or (name.startswith("model-") and name.endswith(".safetensors")):
             os.remove(os.path.join(out, name))
+    expected = count_parameters(preset, num_layers=num_layers) * 2  # bf16, on the meta device: nothing allocated
+    free = _check_free_space(out, int(expected * 1.02) + 2**28)
 
-    _log(f"export: {model}, {num_layers or 'all'} layers, random bf16 weights on {device}")
+    _log(f"export: {model}, {num_layers or 'all'} layers, random bf16 weights on {device} "
+         f"(~{expected / 2**30:.1f} GiB of shards, {free / 2**30:.0f} GiB free in {out})")
     net = build_model(model, weights="random", device=device, dtype=torch.bfloat16, num_layers=num_layers)
     vocab = net.config.vocab_size
     net.config.pad_token_id, net.config.eos_token_id, net.config.bos_token_id = 0, 1, None
+    if preset.family == "gpt_oss":
+        # The combined scenario's loss: cross-entropy only (transformers adds router_aux_loss_coef x the
+        # load-balancing loss only when output_router_logits is on; written explicitly, so neither side guesses).
+        net.config.output_router_logits = False
     if getattr(net, "generation_config", None) is not None:
         net.generation_config.pad_token_id, net.generation_config.eos_token_id, net.generation_config.bos_token_id = \
             0, 1, None
@@ -224,10 +312,18 @@ def export(out: str, model: str = "qwen3-14b", num_layers: int | None = 8, token
     if not shards:
         raise RuntimeError(f"save_pretrained wrote no .safetensors file into {out}")
     weight_bytes = sum(os.path.getsize(os.path.join(out, n)) for n in shards)
+    save_seconds = round(time.time() - t1, 1)
     _log(f"export: {n_params / 1e9:.2f}B parameters, {weight_bytes / 2**30:.2f} GiB in {len(shards)} shard(s), "
-         f"saved in {time.time() - t1:.0f}s")
+         f"saved in {save_seconds:.0f}s ({weight_bytes / 2**30 / max(save_seconds, 1e-3):.2f} GiB/s)")
     num_layers_built = net.config.num_hidden_layers
-    del net
+    cfg = net.config
+    arch = {}
+    if preset.family == "gpt_oss":
+        arch = {"layer_types": list(cfg.layer_types), "sliding_window": cfg.sliding_window,
+                "num_local_experts": cfg.num_local_experts, "experts_per_token": cfg.num_experts_per_tok,
+                "output_router_logits": bool(cfg.output_router_logits),
+                "router_aux_loss_coef": cfg.router_aux_loss_coef}
+    del net, cfg
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -236,17 +332,17 @@ def export(out: str, model: str = "qwen3-14b", num_layers: int | None = 8, token
         raise RuntimeError(f"tokenizer has {len(tok)} tokens, the model {vocab}")
     tok.save_pretrained(out)
 
-    batches = benchmark_batches(tokens_per_step=tokens, row_tokens=tokens, steps=steps, vocab_size=vocab, mix=mix)
-    _write_json(os.path.join(out, "batches.json"), {"format": 1, "tokens_per_step": tokens, "row_tokens": tokens,
+    batches = benchmark_batches(tokens_per_step=tokens, row_tokens=row_tokens, steps=steps, vocab_size=vocab, mix=mix)
+    _write_json(os.path.join(out, "batches.json"), {"format": 1, "tokens_per_step": tokens, "row_tokens": row_tokens,
                                                     "mix": mix, "batches": batches_to_json(batches)})
     meta = {
         "preset": model, "family": preset.family, "hub_id": preset.hub_id, "num_layers": num_layers_built,
-        "tokens": tokens, "row_tokens": tokens, "steps": steps, "mix": mix, "vocab_size": vocab,
-        "lora_rank": lora_rank, "lora_alpha": LORA_ALPHA, "lora_dropout": LORA_DROPOUT,
-        "targets": list(LORA_TARGETS), "dtype": "bfloat16", "params": n_params,
+        "tokens": tokens, "row_tokens": row_tokens, "rows": tokens // row_tokens, "steps": steps, "mix": mix,
+        "vocab_size": vocab, "lora_rank": lora_rank, "lora_alpha": LORA_ALPHA, "lora_dropout": LORA_DROPOUT,
+        "targets": list(targets), "load_in_4bit": defaults["load_in_4bit"], "dtype": "bfloat16", "params": n_params,
         "weights": "random, fastsft_lab.models.build_model seed 0 (the harness's init), bf16 safetensors",
-        "weight_bytes": weight_bytes, "shards": shards,
-        "batches": [length_stats(b.seq_lengths, b.pad_lengths, tokens) for b in batches],
+        "weight_bytes": weight_bytes, "shards": shards, "save_seconds": save_seconds, **arch,
+        "batches": [length_stats(b.seq_lengths, b.pad_lengths, row_tokens) for b in batches],
         "date": _now(), "export_device": str(device), "export_seconds": round(time.time() - t0, 1),
         "versions": {"fastsft_lab": fastsft_lab.__version__, "torch": torch.__version__,
                      "transformers": _dist_version("transformers"), "tokenizers": _dist_version("tokenizers"),
@@ -300,7 +396,13 @@ def _variant_name(double_buffer: str) -> str:
     return f"unsloth (double buffer {double_buffer})"
 
 
-def _note(double_buffer: str, lengths_device: str) -> str:
+def _note(family: str, double_buffer: str, lengths_device: str) -> str:
+    if family == "gpt_oss":
+        return (f"Unsloth {_dist_version('unsloth')} FastLanguageModel -> FastModel (GPT-OSS): bf16 weights, 16-bit LoRA "
+                "on q/k/v/o, experts frozen (torch._grouped_mm when available), unsloth_zoo flex_attention_with_sink "
+                "(causal / sliding-window mask over each 4096-token row: packed segments NOT kept apart), "
+                "restarting position_ids for RoPE, bf16 autocast; offloaded gradient checkpointing, double buffer "
+                f"{double_buffer}; host syncs from torch.cuda sync-debug warnings")
     return (f"Unsloth {_dist_version('unsloth')} FastLanguageModel (FastQwen3Model): NF4 QLoRA quantized on load, "
             "fused LoRA QKV/O/MLP, Triton RMSNorm/RoPE, chunked fused CE (compiled), bf16 autocast, fp32 LoRA; "
             f"packed_seq_lengths ({lengths_device}) + restarting position_ids, per-segment SDPA without "
@@ -308,12 +410,189 @@ def _note(double_buffer: str, lengths_device: str) -> str:
             "from torch.cuda sync-debug warnings")
 
 
-def _count_attention_calls(adispatch, counts: dict):
-    """Wrap Unsloth's packed-attention entry points with counters; returns an undo function."""
+GPT_OSS_ISOLATION_REASON = (
+    "Unsloth 2026.10.9 cannot keep packed GPT-OSS segments apart: in training, the GptOssAttention.forward that "
+    "unsloth_zoo/temporary_patches/gpt_oss.py installs (patch_GptOssAttention) calls flex_attention_with_sink(self, "
+    "q, k, v) with no mask, its GptOssModel.forward (patch_GptOssModel) drops attention_mask, and "
+    "unsloth_zoo/flex_attention/attention_sink.py then builds a causal (full layers) or sliding-window-128 "
+    "BlockMask over the whole row; position_ids reach only RoPE and packed_seq_lengths is read nowhere on this "
+    "path. unsloth/trainer.py lists gpt_oss in PADDING_FREE_BLOCKLIST for that reason ('Flex Attention which "
+    "doesn't handle padding_free correctly'). One segment per row is not possible with these batches (rows of "
+    "4096 tokens holding several segments), so the run measures Unsloth's path as it is and segments_isolated "
+    "is what the probe measured on batch 0.")
+SINK_ENTRY_POINTS = ("flex_attention", "reused_compiled_create_block_mask", "compiled_create_block_mask")
+PROBE_SAME, PROBE_CHANGED = 1e-3, 1e-2  # relative L2 change: <= SAME is unchanged, > CHANGED is changed
+
+
+def variant_toggles(family: str, double_buffer: str, lengths_device: str) -> dict:
+    if family == "gpt_oss":
+        return {"double_buffer": double_buffer, "gradient_checkpointing": "unsloth", "packed_seq_lengths": None,
+                "load_in_4bit": False, "load_in_16bit": True}
+    return {"double_buffer": double_buffer, "gradient_checkpointing": "unsloth", "packed_seq_lengths": lengths_device,
+            "load_in_4bit": True}
+
+
+def run_config(meta: dict, raw: list[dict], folder: str, *, double_buffer: str, lengths_device: str, steps: int,
+               warmup: int) -> dict:
+    """The result's ``config`` block for an export (both families); what the run measures is added later."""
+    family = meta.get("family", "qwen3")
+    rows = len(raw[0]["input_ids"])
+    row_tokens = len(raw[0]["input_ids"][0])
+    config = {"model": meta["preset"], "family": family, "num_layers": meta["num_layers"],
+              "tokens_per_step": rows * row_tokens, "row_tokens": meta["row_tokens"], "rows": rows, "mix": meta["mix"],
+              "quant": "nf4 (unsloth 4-bit)", "load_in_4bit": True,
+              "lora_rank": meta["lora_rank"], "lora_alpha": meta.get("lora_alpha", LORA_ALPHA),
+              "lora_dropout": meta.get("lora_dropout", LORA_DROPOUT), "lora_targets": meta["targets"],
+              "lora_b_init": "normal(0, 0.01) where zero (as the harness)", "gradient_checkpointing": "unsloth",
+              "double_buffer": double_buffer, "packed_seq_lengths_device": lengths_device, "autocast": "bf16",
+              "dtype": "bfloat16", "optimizer": "torch.optim.AdamW", "lr": LR, "steps": steps, "warmup": warmup,
+              "batch": length_stats(raw[0]["seq_lengths"], raw[0]["pad_lengths"], meta["row_tokens"]),
+              "export": {k: meta.get(k) for k in ("weights", "params", "date", "versions", "vocab_size")},
+              "export_dir": os.path.abspath(folder)}
+    if family == "gpt_oss":
+        config.update({
+            "quant": "none: bf16 weights (FastModel 16-bit LoRA, load_in_4bit=False, load_in_16bit=True), as our "
+                     "combined scenario's GPT-OSS", "load_in_4bit": False, "packed_seq_lengths_device": None,
+            "experts": "frozen (LoRA on attention only)",
+            "output_router_logits": bool(meta.get("output_router_logits", False)),
+            "router_aux_loss": "off: output_router_logits=False, the loss is the cross-entropy alone (transformers "
+                               "adds router_aux_loss_coef x load-balancing loss only when it is on); the combined "
+                               "scenario's GPT-OSS loss is the same",
+            "attention": "unsloth_zoo flex_attention_with_sink: causal / sliding-window BlockMask over each row, "
+                         "sinks by sigmoid(lse - sink) rescaling",
+            "segments_isolated": False, "segments_isolated_reason": GPT_OSS_ISOLATION_REASON,
+            "segments_isolated_source": "reading of Unsloth's source (not measured in this run)",
+            "causal_measured": None})
+    return config
+
+
+def check_lora_placement(lora_modules, trainable_names, targets, num_layers: int) -> str | None:
+    """None if LoRA sits on exactly ``targets`` in every layer and nothing but adapters trains; else why not."""
+    off = [n for n in lora_modules if n.rsplit(".", 1)[-1] not in targets]
+    want = len(targets) * num_layers
+    frozen_touched = [n for n in trainable_names if "lora_" not in n]
+    why = []
+    if off:
+        why.append(f"LoRA on modules outside {list(targets)} (e.g. {off[:2]})")
+    if len(lora_modules) - len(off) != want:
+        why.append(f"{len(lora_modules) - len(off)} LoRA modules on the targets, want {want} "
+                   f"({len(targets)} x {num_layers} layers)")
+    if frozen_touched:
+        why.append(f"{len(frozen_touched)} non-adapter tensors train (e.g. {frozen_touched[:2]})")
+    return "; ".join(why) or None
+
+
+def gpt_oss_paths(model, layers, torch) -> dict:
+    """Which GPT-OSS code the loaded model runs, read off the live objects (no claim from the docstring)."""
+    import inspect
+
+    zoo = sys.modules.get("unsloth_zoo.temporary_patches.gpt_oss")
+    moe = sys.modules.get("unsloth_zoo.temporary_patches.moe_utils")
+    out: dict = {"flex_sink_attention_installed": bool(getattr(zoo, "_GPT_OSS_FLEX_SINK_ATTENTION_INSTALLED", False)),
+                 "moe_backend": getattr(moe, "_SELECTED_MOE_BACKEND", None),
+                 "unsloth_model_name_env": os.environ.get("UNSLOTH_MODEL_NAME"),
+                 "high_precision_layernorm": os.environ.get("UNSLOTH_HIGH_PRECISION_LAYERNORM")}
+    if not len(layers):
+        return out
+    name = lambda f: f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', '?')}"  # noqa: E731
+    attn, experts = layers[0].self_attn, layers[0].mlp.experts
+    fwd = type(attn).forward
+    out.update({
+        "attention_class": name(type(attn)), "attention_forward": name(fwd),
+        "flex_sink_attention_on_model": bool(zoo is not None and out["flex_sink_attention_installed"]
+                                             and getattr(fwd, "__module__", None) == zoo.__name__),
+        "sliding_windows": [getattr(layer.self_attn, "sliding_window", None) for layer in layers[:2]],
+        "experts_class": name(type(experts)), "experts_forward": name(type(experts).forward),
+        "experts_lora_patched": bool(getattr(type(experts), "_unsloth_lora_patched", False)),
+        "experts_dtypes": {n: str(p.dtype).replace("torch.", "") for n, p in experts.named_parameters()},
+        "experts_trainable": any(p.requires_grad for p in experts.parameters()),
+        "router_class": name(type(layers[0].mlp.router))})
+    base = model
+    for _ in range(3):
+        base = base.get_base_model() if hasattr(base, "get_base_model") else base
+    try:
+        out["fused_ce_in_forward"] = "unsloth_fused_ce_loss" in inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        out["fused_ce_in_forward"] = None
+    return out
+
+
+def real_segments(seq_lengths, pad_length: int) -> list[tuple[int, int]]:
+    """(start, end) of each real segment of one row (the padding tail left out)."""
+    spans, start = [], 0
+    for n in seq_lengths:
+        spans.append((start, start + n))
+        start += n
+    return spans[:-1] if pad_length else spans
+
+
+def _verdict(changed: float | None, same_ok: bool = True) -> bool | None:
+    if changed is None or not same_ok:
+        return None
+    return True if changed <= PROBE_SAME else False if changed > PROBE_CHANGED else None
+
+
+def isolation_probe(forward, feed: dict, seq_lengths, pad_lengths, layers, layer_types, sliding_window,
+                    vocab_size: int, torch) -> dict:
+    """Whether packed segments of one row are kept apart, measured: the first layer's attention output (its input
+    is the embedding, so nothing but attention mixes positions) with the first segment's tokens changed must stay
+    unchanged where a later segment could see it (its window after the segment), and change on the segment itself
+    (the control); with the last segment changed, every earlier position must stay unchanged (causality)."""
+    row = next((r for r, (lens, pad) in enumerate(zip(seq_lengths, pad_lengths))
+                if len(real_segments(lens, pad)) >= 2), None)
+    if row is None:
+        return {"segments_isolated": None, "causal": None, "error": "no row of batch 0 holds two segments"}
+    spans = real_segments(seq_lengths[row], pad_lengths[row])
+    (s0, e0), (sl, el) = spans[0], spans[-1]
+    window = sliding_window if layer_types and layer_types[0] == "sliding_attention" else None
+    later = (e0, el if window is None else min(el, e0 + window))
+    captured = []
+
+    def hook(module, args, output):
+        captured.append((output[0] if isinstance(output, tuple) else output)[row].detach().float().cpu())
+
+    def attention_output(ids):
+        captured.clear()
+        with torch.no_grad():
+            forward({**feed, "input_ids": ids})
+        if not captured:
+            raise RuntimeError("the first layer's attention never ran under the probe's hook")
+        return captured[0]
+
+    def rel(a, b, lo, hi):
+        d, ref = a[lo:hi] - b[lo:hi], b[lo:hi]
+        return round(float(d.norm() / ref.norm().clamp_min(1e-30)), 6)
+
+    ids = feed["input_ids"]
+    first, last = ids.clone(), ids.clone()
+    first[row, s0:e0] = (first[row, s0:e0] + 1) % vocab_size
+    last[row, sl:el] = (last[row, sl:el] + 1) % vocab_size
+    handle = layers[0].self_attn.register_forward_hook(hook)
+    try:
+        base, again = attention_output(ids), attention_output(ids)
+        changed_first, changed_last = attention_output(first), attention_output(last)
+    finally:
+        handle.remove()
+    noise = rel(again, base, 0, el)
+    out = {"row": row, "segments": len(spans), "first_segment": [s0, e0], "last_segment": [sl, el],
+           "window_layer0": window, "compared_after_first": list(later), "rerun_noise": noise,
+           "first_segment_own_change": rel(changed_first, base, s0, e0),
+           "after_first_segment_change": rel(changed_first, base, *later),
+           "before_last_segment_change": rel(changed_last, base, 0, sl),
+           "thresholds": {"unchanged_at_most": PROBE_SAME, "changed_above": PROBE_CHANGED},
+           "what": "relative L2 change of layer 0's attention output (batch 0) when one segment's token ids change"}
+    quiet = noise <= PROBE_SAME
+    out["segments_isolated"] = _verdict(out["after_first_segment_change"],
+                                        quiet and out["first_segment_own_change"] > PROBE_CHANGED)
+    out["causal"] = _verdict(out["before_last_segment_change"], quiet)
+    return out
+
+
+def _count_calls(module, names, counts: dict):
+    """Wrap ``module``'s functions ``names`` with counters (looked up at call time by their callers); returns undo."""
     saved = {}
-    for name in ("_sdpa_packed_segments", "_torch_varlen_packed", "build_sdpa_packed_attention_mask",
-                 "build_xformers_block_causal_mask"):
-        fn = getattr(adispatch, name, None)
+    for name in names if module is not None else ():
+        fn = getattr(module, name, None)
         if fn is None:
             continue
         saved[name] = fn
@@ -322,13 +601,19 @@ def _count_attention_calls(adispatch, counts: dict):
             counts[_name] = counts.get(_name, 0) + 1
             return _fn(*args, **kwargs)
 
-        setattr(adispatch, name, wrapper)
+        setattr(module, name, wrapper)
 
     def undo():
         for name, fn in saved.items():
-            setattr(adispatch, name, fn)
+            setattr(module, name, fn)
 
     return undo
+
+
+def _count_attention_calls(adispatch, counts: dict):
+    """Wrap Unsloth's packed-attention entry points with counters; returns an undo function."""
+    return _count_calls(adispatch, ("_sdpa_packed_segments", "_torch_varlen_packed",
+                                    "build_sdpa_packed_attention_mask", "build_xformers_block_causal_mask"), counts)
 
 
 def profile_gpu(fn, top: int = 40) -> dict:
@@ -376,19 +661,19 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
     steps = len(raw) if steps is None else steps
     if steps < 1 or warmup < 0:
         raise ValueError(f"steps must be >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
+    family = meta.get("family", "qwen3")
+    if family not in FAMILIES:
+        raise ValueError(f"{folder} holds a {family} export: the peer runs {', '.join(FAMILIES)}")
+    gpt_oss = family == "gpt_oss"
     rows = len(raw[0]["input_ids"])
-    tokens = rows * len(raw[0]["input_ids"][0])
-    config = {"model": meta["preset"], "num_layers": meta["num_layers"], "tokens_per_step": tokens,
-              "row_tokens": meta["row_tokens"], "mix": meta["mix"], "quant": "nf4 (unsloth 4-bit)",
-              "lora_rank": meta["lora_rank"], "lora_alpha": meta.get("lora_alpha", LORA_ALPHA),
-              "lora_dropout": meta.get("lora_dropout", LORA_DROPOUT), "lora_targets": meta["targets"],
-              "lora_b_init": "normal(0, 0.01) where zero (as the harness)", "gradient_checkpointing": "unsloth",
-              "double_buffer": double_buffer, "packed_seq_lengths_device": lengths_device, "autocast": "bf16",
-              "dtype": "bfloat16", "optimizer": "torch.optim.AdamW", "lr": LR, "steps": steps, "warmup": warmup,
-              "batch": length_stats(raw[0]["seq_lengths"], raw[0]["pad_lengths"], meta["row_tokens"]),
-              "export": {k: meta.get(k) for k in ("weights", "params", "date", "versions", "vocab_size")},
-              "export_dir": os.path.abspath(folder)}
+    row_tokens = len(raw[0]["input_ids"][0])
+    tokens = rows * row_tokens
+    if row_tokens != meta["row_tokens"]:
+        raise ValueError(f"batches.json rows hold {row_tokens} tokens, meta.json says {meta['row_tokens']}")
+    config = run_config(meta, raw, folder, double_buffer=double_buffer, lengths_device=lengths_device, steps=steps,
+                        warmup=warmup)
     ctx["config"] = config
+    ctx["toggles"] = variant_toggles(family, double_buffer, lengths_device)
 
     ctx["stage"] = "environment"
     if "transformers" in sys.modules:
@@ -428,18 +713,32 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
     _log(f"unsloth {_dist_version('unsloth')}, torch {torch.__version__}, transformers "
          f"{_dist_version('transformers')}, device {ctx['env'].get('gpu_name') or 'cpu'}")
 
-    ctx["stage"] = "load (FastLanguageModel.from_pretrained, 4-bit)"
+    ctx["stage"] = ("load (FastLanguageModel.from_pretrained, bf16 16-bit LoRA)" if gpt_oss else
+                    "load (FastLanguageModel.from_pretrained, 4-bit)")
     t = time.time()
-    model, _tok = FastLanguageModel.from_pretrained(
-        model_name=os.path.abspath(folder), max_seq_length=tokens, dtype=torch.bfloat16, load_in_4bit=True,
-        local_files_only=True, fix_tokenizer=False, use_gradient_checkpointing="unsloth")
+    if gpt_oss:  # model_type gpt_oss -> FastModel.from_pretrained (loader.py); exact name: no hub-name mapping
+        model, _tok = FastLanguageModel.from_pretrained(
+            model_name=os.path.abspath(folder), max_seq_length=row_tokens, dtype=torch.bfloat16, load_in_4bit=False,
+            load_in_16bit=True, local_files_only=True, fix_tokenizer=False, use_gradient_checkpointing="unsloth",
+            use_exact_model_name=True)
+    else:
+        model, _tok = FastLanguageModel.from_pretrained(
+            model_name=os.path.abspath(folder), max_seq_length=tokens, dtype=torch.bfloat16, load_in_4bit=True,
+            local_files_only=True, fix_tokenizer=False, use_gradient_checkpointing="unsloth")
     timings["load_s"] = round(time.time() - t, 1)
     quantized = [n for n, m in model.named_modules() if type(m).__name__ == "Linear4bit"]
     n4 = sum(1 for n in quantized if n.rsplit(".", 1)[-1] in LORA_TARGETS)
     want4 = len(LORA_TARGETS) * meta["num_layers"]
     _log(f"loaded in {timings['load_s']}s: {type(model).__name__}, {len(quantized)} Linear4bit layers"
          + (f", {torch.cuda.memory_allocated() / 2**30:.2f} GiB allocated" if cuda else ""))
-    if n4 != want4:
+    if gpt_oss:
+        if quantized:
+            raise CheckFailed(f"{len(quantized)} bitsandbytes Linear4bit layers after a 16-bit load (e.g. "
+                              f"{quantized[:2]}): the GPT-OSS peer runs bf16 weights, as our combined scenario")
+        if getattr(model.config, "output_router_logits", None):
+            raise CheckFailed("output_router_logits is on after the load: the loss would add the router aux loss, "
+                              "which the combined scenario's loss does not")
+    elif n4 != want4:
         raise CheckFailed(f"{n4} of the {want4} projections (7 x layers) are bitsandbytes Linear4bit after the "
                           "4-bit load: the base weights are not NF4")
 
@@ -448,11 +747,16 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
     model = FastLanguageModel.get_peft_model(
         model, r=int(meta["lora_rank"]), target_modules=list(meta["targets"]),
         lora_alpha=config["lora_alpha"], lora_dropout=config["lora_dropout"], bias="none",
-        use_gradient_checkpointing="unsloth", random_state=3407, max_seq_length=tokens)
+        use_gradient_checkpointing="unsloth", random_state=3407, max_seq_length=row_tokens)
     timings["peft_s"] = round(time.time() - t, 1)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not trainable:
         raise CheckFailed("get_peft_model left no trainable parameter")
+    lora_modules = sorted(n for n, m in model.named_modules() if hasattr(m, "lora_A") and n.rsplit(".", 1)[-1]
+                          not in ("lora_A", "lora_B"))
+    lora_check = check_lora_placement(lora_modules, [n for n, _ in trainable], meta["targets"], meta["num_layers"])
+    if lora_check:
+        raise CheckFailed(lora_check)
     with torch.no_grad():
         for _, p in trainable:  # LoRA B starts at zero; give the adapters a real gradient path (as the harness)
             if p.dim() == 2 and not p.any():
@@ -463,19 +767,25 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
              "o": sum(getattr(getattr(l.self_attn, "apply_o", None), "__name__", "") == "apply_lora_o" for l in layers),
              "mlp": sum("lora_mlp" in getattr(getattr(l.mlp, "forward", None), "__name__", "") for l in layers)}
     emb = model.get_input_embeddings().weight
-    model_info = {"class": type(model).__name__, "linear4bit": len(quantized),
+    model_info = {"class": type(model).__name__, "family": family, "linear4bit": len(quantized),
+                  "lora_modules": len(lora_modules),
                   "linear4bit_other": [n for n in quantized if n.rsplit(".", 1)[-1] not in LORA_TARGETS][:4],
                   "fused_lora_layers": fused,
                   "params_trainable": sum(p.numel() for _, p in trainable),
                   "trainable_dtypes": sorted({str(p.dtype).replace("torch.", "") for _, p in trainable}),
                   "embedding_device": str(emb.device), "max_seq_length": getattr(model, "max_seq_length", None)}
+    if gpt_oss:
+        model_info.update(gpt_oss_paths(model, layers, torch))
     ctx["model"] = model_info
     _log(f"LoRA ready in {timings['peft_s']}s: {model_info['params_trainable'] / 1e6:.1f}M trainable "
          f"{model_info['trainable_dtypes']}, fused layers {fused}, embedding on {emb.device}")
 
     ctx["stage"] = "batches"
     feeds = []
-    for b in raw:  # rows laid end to end: Unsloth's packed path takes one (1, T) row
+    for b in raw if gpt_oss else []:  # (rows, row_tokens): its GPT-OSS forward reads no packed_seq_lengths
+        feeds.append({key: torch.tensor(b[key], dtype=torch.long, device=device)
+                      for key in ("input_ids", "labels", "position_ids")} | {"use_cache": False})
+    for b in [] if gpt_oss else raw:  # rows laid end to end: Unsloth's packed path takes one (1, T) row
         flat = lambda key: torch.tensor([x for row in b[key] for x in row], dtype=torch.long)[None]  # noqa: E731
         lengths = torch.tensor([n for row in b["seq_lengths"] for n in row], dtype=torch.int32)
         feeds.append({"input_ids": flat("input_ids").to(device), "labels": flat("labels").to(device),
@@ -564,6 +874,10 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
         raise CheckFailed("unsloth.utils.attention_dispatch is not loaded: this is not Unsloth's GPU path")
     attention_calls: dict = {}
     undo = _count_attention_calls(adispatch, attention_calls) if adispatch is not None else (lambda: None)
+    if gpt_oss:
+        undo_sink = _count_calls(sys.modules.get("unsloth_zoo.flex_attention.attention_sink"), SINK_ENTRY_POINTS,
+                                 attention_calls)
+        undo_qwen, undo = undo, lambda: (undo_qwen(), undo_sink())
 
     def forward_backward():
         forward(feeds[0]).backward()
@@ -589,11 +903,25 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
         ctx["stage"] = "profiled forward+backward (untimed)"
         profiled = profile_gpu(forward_backward)
         optimizer.zero_grad(set_to_none=True)
+    probe = None
+    if gpt_oss:  # last: whatever it leaves behind touches nothing measured
+        ctx["stage"] = "segment-isolation probe (untimed, no grad)"
+        try:
+            probe = isolation_probe(forward, feeds[0], raw[0]["seq_lengths"], raw[0]["pad_lengths"], layers,
+                                    meta.get("layer_types"), meta.get("sliding_window"), meta["vocab_size"], torch)
+        except Exception as e:  # noqa: BLE001 - an unanswered probe is recorded, never claimed either way
+            probe = {"segments_isolated": None, "causal": None, "error": _one_line(f"{type(e).__name__}: {e}", 300)}
+        if probe.get("segments_isolated") is not None:
+            config["segments_isolated"] = probe["segments_isolated"]
+            config["segments_isolated_source"] = "measured: variants[0].packing.probe (batch 0)"
+        else:
+            config["segments_isolated_source"] = ("reading of Unsloth's source; the probe did not answer (see "
+                                                  "variants[0].packing.probe)")
+        config["causal_measured"] = probe.get("causal")
+        _log(f"isolation probe: segments_isolated={probe.get('segments_isolated')}, causal={probe.get('causal')}")
 
-    variant = {"name": _variant_name(double_buffer),
-               "toggles": {"double_buffer": double_buffer, "gradient_checkpointing": "unsloth",
-                           "packed_seq_lengths": lengths_device, "load_in_4bit": True},
-               "note": _note(double_buffer, lengths_device)}
+    variant = {"name": _variant_name(double_buffer), "toggles": ctx["toggles"],
+               "note": _note(family, double_buffer, lengths_device)}
     for k in ("forward", "backward", "optimizer", "step"):
         variant[f"{k}_ms"] = percentiles(samples[k])
     step_s = variant["step_ms"]["median"] / 1e3
@@ -632,8 +960,16 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
         packed_calls = sum(attention_calls.get(k, 0) for k in ("_sdpa_packed_segments", "_torch_varlen_packed",
                                                                 "build_sdpa_packed_attention_mask",
                                                                 "build_xformers_block_causal_mask"))
-        if packed_calls == 0:
+        if packed_calls == 0 and not gpt_oss:
             problems.append("Unsloth's packed attention was never called: packed_seq_lengths did not reach it")
+        if gpt_oss:
+            model_info.update(gpt_oss_paths(model, layers, torch))  # the MoE backend is chosen at the first forward
+            weights = {n: d for n, d in model_info.get("experts_dtypes", {}).items() if not n.endswith("_bias")}
+            if any(d != "bfloat16" for d in weights.values()):
+                problems.append(f"expert weights are {weights}, not bf16")
+        if gpt_oss and not model_info.get("flex_sink_attention_on_model"):
+            problems.append("unsloth_zoo's GPT-OSS attention (flex_attention_with_sink) is not the forward of the "
+                            f"model's attention class ({model_info.get('attention_forward')}): not the path claimed")
         offload = {"checkpoint_function": torch.utils.checkpoint.CheckpointFunction.__name__,
                    "offload_observed": getattr(gcmod, "USE_UNSLOTH_GC", True) is False,
                    "double_buffer_effective": bool(db_measured) and all(db_measured),
@@ -647,10 +983,30 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
         if any(state != (double_buffer == "on") for state in db_measured):
             problems.append(f"double buffer asked {double_buffer} but Unsloth's was {db_measured} over the measured "
                             "steps (it turns on from the second forward if > 512 MiB are free; off on OOM)")
+    if gpt_oss:
+        packing = {"packed_seq_lengths": "not passed (its GPT-OSS forward has no packed path)",
+                   "attention": "flex_attention_with_sink (unsloth_zoo), causal / sliding-window BlockMask over "
+                                "each whole row", "probe": probe, **packing}
     variant["packing"] = packing
     variant["model"] = model_info
     warnings_ = []  # deviations that do not invalidate the measurement, but a reader must see
-    if cuda and min(fused.values()) < meta["num_layers"]:
+    if gpt_oss:
+        if probe and probe.get("segments_isolated") is False:
+            warnings_.append("packed segments are NOT isolated: later segments of a row attend to earlier ones "
+                             "(measured by the probe). Unsloth's attention computes causal attention over each "
+                             "4096-token row, not per segment: not the same computation as our packed path, and "
+                             "its loss is not comparable")
+        elif not probe or probe.get("segments_isolated") is None:
+            warnings_.append("segment isolation could not be measured (probe inconclusive or failed): see "
+                             "packing.probe")
+        if probe and probe.get("causal") is False:
+            warnings_.append("the probe saw earlier positions change when a later segment changed: not causal")
+        if cuda and not attention_calls.get("flex_attention"):
+            warnings_.append("no call of attention_sink.flex_attention was counted (its caller may have been "
+                             "traced by torch.compile): the attention path rests on the class check alone")
+        if cuda and model_info.get("moe_backend") not in ("grouped_mm", None):
+            warnings_.append(f"Unsloth's MoE backend is {model_info.get('moe_backend')}, not torch._grouped_mm")
+    elif cuda and min(fused.values()) < meta["num_layers"]:
         warnings_.append(f"Unsloth's fused LoRA kernels are installed on only {fused} of {meta['num_layers']} layers")
     if cuda and emb.device.type != "cuda":
         warnings_.append(f"Unsloth offloaded the input embedding to {emb.device} (offload_embedding='auto')")
@@ -670,8 +1026,11 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
     config["timings_s"] = timings
     config["env_requested"] = ctx["env_requested"]
     result = {"scenario": SCENARIO, "env": env, "config": config, "variants": [variant],
-              "notes": "Unsloth's own QLoRA path on the combined benchmark's architecture and batches "
-                       "(benchmarks/unsloth_peer.py); one variant per process (double buffer on/off)."}
+              "notes": ("Unsloth's own 16-bit LoRA path for GPT-OSS (bf16 weights, attention LoRA) on the combined "
+                        "benchmark's architecture and batches; packed segments are not kept apart by its attention "
+                        "(config.segments_isolated, measured)" if gpt_oss else
+                        "Unsloth's own QLoRA path on the combined benchmark's architecture and batches") +
+                       " (benchmarks/unsloth_peer.py); one variant per process (double buffer on/off)."}
     if problems:
         result["error"] = variant["error"]
     _write_json(out, result)
@@ -689,8 +1048,7 @@ def error_result(ctx: dict, message: str, double_buffer: str, lengths_device: st
         except Exception:  # noqa: BLE001 - the error result must be written whatever else fails
             env = _environment(None)
     variant = {"name": _variant_name(double_buffer), "error": message, "stage": ctx.get("stage"),
-               "toggles": {"double_buffer": double_buffer, "gradient_checkpointing": "unsloth",
-                           "packed_seq_lengths": lengths_device, "load_in_4bit": True},
+               "toggles": ctx.get("toggles") or variant_toggles("qwen3", double_buffer, lengths_device),
                "note": "failed: " + message, "completed_steps": ctx.get("completed_steps", 0)}
     if ctx.get("model"):
         variant["model"] = ctx["model"]
@@ -752,7 +1110,7 @@ def _cli_run(args) -> int:
 def _cli_export(args) -> int:
     try:
         export(args.out, model=args.model, num_layers=args.num_layers, tokens=args.tokens, steps=args.steps,
-               mix=args.mix, lora_rank=args.lora_rank, device=args.device)
+               mix=args.mix, lora_rank=args.lora_rank, device=args.device, row_tokens=args.row_tokens)
     except BaseException as e:  # noqa: BLE001
         message = _one_line(f"{type(e).__name__}: {e}")
         print(traceback.format_exc(), flush=True)
@@ -784,14 +1142,29 @@ def summary_line(path: str) -> str:
             f"{v.get('double_buffer_effective')}")
 
 
+def _layers_arg(text: str):
+    if text in ("auto", "all"):
+        return None if text == "all" else "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, 'all' or 'auto', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"num-layers must be >= 1, got {value}")
+    return value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     ex = sub.add_parser("export", help="our environment: weights, tokenizer, batches and meta.json into --out")
     ex.add_argument("--out", required=True)
     ex.add_argument("--model", default="qwen3-14b")
-    ex.add_argument("--num-layers", type=int, default=8)
+    ex.add_argument("--num-layers", type=_layers_arg, default="auto",
+                    help="decoder layers: an int, 'all', or 'auto' (default: 8 for Qwen3, all for GPT-OSS)")
     ex.add_argument("--tokens", type=int, default=8192)
+    ex.add_argument("--row-tokens", type=int, default=None,
+                    help=f"tokens per packed row (default: --tokens for Qwen3, {MOE_ROW_TOKENS} for GPT-OSS)")
     ex.add_argument("--steps", type=int, default=6, help="packed batches to export")
     ex.add_argument("--mix", default="realistic")
     ex.add_argument("--lora-rank", type=int, default=16)

@@ -16,10 +16,13 @@
 # Time: the whole stage keeps within UNSLOTH_PEER_BUDGET seconds (default 560: set it a little below the stage's
 # limit). The export gets at most UNSLOTH_PEER_EXPORT_TIMEOUT (default 240) s; the first run 3/5 of what is left
 # (it pays the cold compile caches), the second run all that remains. Other settings: UNSLOTH_PEER_MODEL
-# (qwen3-14b), UNSLOTH_PEER_LAYERS (8), UNSLOTH_PEER_TOKENS (8192), UNSLOTH_PEER_STEPS (6 batches = measured steps),
-# UNSLOTH_PEER_WARMUP (2),
+# (qwen3-14b, or gpt-oss-20b: bf16, attention LoRA, 4096-token rows), UNSLOTH_PEER_LAYERS (8; 24 = all for
+# gpt-oss-20b), UNSLOTH_PEER_TOKENS (8192), UNSLOTH_PEER_ROW_TOKENS (= tokens; 4096 for GPT-OSS),
+# UNSLOTH_PEER_STEPS (6 batches = measured steps), UNSLOTH_PEER_WARMUP (2),
 # UNSLOTH_PEER_DB ("on off": which double-buffer settings run, in order), UNSLOTH_PEER_MIX (realistic), UNSLOTH_PEER_RANK (16), UNSLOTH_PEER_REUSE=1 (keep a complete earlier export),
-# UNSLOTH_PEER_KEEP=1 (keep the exported weights afterwards; default: deleted, they are ~8 GB), UNSLOTH_WHEELS
+# UNSLOTH_PEER_KEEP=1 (keep the exported weights afterwards; default: deleted, they are ~8 GB for Qwen3-14B x8,
+# ~39 GiB for GPT-OSS-20B x24), UNSLOTH_PEER_EXPORT_DIR (/tmp/unsloth-peer; for GPT-OSS /dev/shm/unsloth-peer-moe when
+# /dev/shm has 48 GiB free, else /tmp/unsloth-peer-moe), UNSLOTH_WHEELS
 # (.whl-unsloth), UNSLOTH_PEER_RUN_ARGS (extra `run` flags, e.g. --seq-lengths-device cuda), PYTHON (python3).
 set -uo pipefail
 
@@ -29,10 +32,29 @@ PY=${PYTHON:-python3}
 SCRIPT=benchmarks/unsloth_peer.py
 SITE=${UNSLOTH_SITE:-/tmp/site-unsloth}
 WHEELS=${UNSLOTH_WHEELS:-.whl-unsloth}
-EXPORT_DIR=${UNSLOTH_PEER_EXPORT_DIR:-/tmp/unsloth-peer}
 MODEL=${UNSLOTH_PEER_MODEL:-qwen3-14b}
-LAYERS=${UNSLOTH_PEER_LAYERS:-8}
 TOKENS=${UNSLOTH_PEER_TOKENS:-8192}
+case "$MODEL" in
+  gpt-oss-20b) FAMILY=gpt_oss; DEFAULT_LAYERS=24 ;;
+  tiny-gpt-oss) FAMILY=gpt_oss; DEFAULT_LAYERS=4 ;;
+  *) FAMILY=qwen3; DEFAULT_LAYERS=8 ;;
+esac
+LAYERS=${UNSLOTH_PEER_LAYERS:-$DEFAULT_LAYERS}
+if [ "$FAMILY" = gpt_oss ]; then
+  ROW_TOKENS=${UNSLOTH_PEER_ROW_TOKENS:-$(( TOKENS < 4096 ? TOKENS : 4096 ))}
+  EXPORT_MAX_DEFAULT=420
+  if [ -z "${UNSLOTH_PEER_EXPORT_DIR:-}" ]; then
+    shm_free=$(df -Pk /dev/shm 2>/dev/null | awk 'NR == 2 {print $4}')
+    if [ "${shm_free:-0}" -ge $((48 * 1024 * 1024)) ]; then
+      UNSLOTH_PEER_EXPORT_DIR=/dev/shm/unsloth-peer-moe   # RAM: the ~39 GiB write and read are memory speed
+    else
+      UNSLOTH_PEER_EXPORT_DIR=/tmp/unsloth-peer-moe
+    fi
+  fi
+else
+  ROW_TOKENS=${UNSLOTH_PEER_ROW_TOKENS:-$TOKENS}
+  EXPORT_MAX_DEFAULT=240
+fi
 STEPS=${UNSLOTH_PEER_STEPS:-6}
 WARMUP=${UNSLOTH_PEER_WARMUP:-2}
 MIX=${UNSLOTH_PEER_MIX:-realistic}
@@ -40,7 +62,8 @@ RANK=${UNSLOTH_PEER_RANK:-16}
 DBS=${UNSLOTH_PEER_DB:-on off}
 case " $DBS " in *" on "*|*" off "*) ;; *) echo "UNSLOTH_PEER_DB must list on and/or off, got: $DBS" >&2; exit 2 ;; esac
 BUDGET=${UNSLOTH_PEER_BUDGET:-560}
-EXPORT_MAX=${UNSLOTH_PEER_EXPORT_TIMEOUT:-240}
+EXPORT_MAX=${UNSLOTH_PEER_EXPORT_TIMEOUT:-$EXPORT_MAX_DEFAULT}
+EXPORT_DIR=${UNSLOTH_PEER_EXPORT_DIR:-/tmp/unsloth-peer}
 STEM="unsloth-${MODEL}-L${LAYERS}-${TOKENS}"
 OUR_PYTHONPATH=${PYTHONPATH:-$PWD}
 START=$SECONDS
@@ -76,7 +99,7 @@ finish() {
   exit $status
 }
 
-log "Unsloth peer: $MODEL, $LAYERS layers, $TOKENS tokens, $STEPS steps (+$WARMUP warmup), budget ${BUDGET}s -> $R"
+log "Unsloth peer: $MODEL, $LAYERS layers, $TOKENS tokens in rows of $ROW_TOKENS, export $EXPORT_DIR, $STEPS steps (+$WARMUP warmup), budget ${BUDGET}s -> $R"
 for db in $DBS; do rm -f "$(out_of "$db")"; done
 
 # 1. Unsloth's own site folder
@@ -94,6 +117,9 @@ fi
 
 # 2. the export, in our environment
 if [ "${UNSLOTH_PEER_REUSE:-0}" = "1" ] && [ -f "$EXPORT_DIR/meta.json" ] \
+   && grep -q "\"preset\": \"$MODEL\"" "$EXPORT_DIR/meta.json" \
+   && grep -q "\"num_layers\": $LAYERS," "$EXPORT_DIR/meta.json" \
+   && grep -q "\"row_tokens\": $ROW_TOKENS," "$EXPORT_DIR/meta.json" \
    && ls "$EXPORT_DIR"/*.safetensors > /dev/null 2>&1; then
   log "reusing the export in $EXPORT_DIR"
 else
@@ -101,7 +127,7 @@ else
   log "export (our environment, timeout ${t}s) -> $EXPORT_DIR, log $R/unsloth-export.log"
   PYTHONPATH="$OUR_PYTHONPATH" PYTHONUNBUFFERED=1 timeout --foreground -s INT -k 20 "$t" \
     "$PY" "$SCRIPT" export --out "$EXPORT_DIR" --model "$MODEL" --num-layers "$LAYERS" --tokens "$TOKENS" \
-    --steps "$STEPS" --mix "$MIX" --lora-rank "$RANK" > "$R/unsloth-export.log" 2>&1
+    --row-tokens "$ROW_TOKENS" --steps "$STEPS" --mix "$MIX" --lora-rank "$RANK" > "$R/unsloth-export.log" 2>&1
   rc=$?
   if [ "$rc" != 0 ] || [ ! -f "$EXPORT_DIR/meta.json" ]; then
     why=$(last_line "$R/unsloth-export.log")

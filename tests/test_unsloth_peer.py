@@ -82,11 +82,11 @@ def test_batches_round_trip_to_benchmark_batches(exported):
 
 def test_export_refuses_what_the_peer_does_not_cover(tmp_path):
     (tmp_path / "meta.json").write_text("{}")   # an earlier export: a failed one must not leave it looking complete
-    with pytest.raises(ValueError, match="dense Qwen3 presets only"):
-        peer.export(str(tmp_path), model="tiny-gpt-oss", device="cpu")
+    with pytest.raises(ValueError, match="covers dense Qwen3 presets"):
+        peer.export(str(tmp_path), model="tiny-qwen3-moe", device="cpu")
     with pytest.raises(ValueError, match="max_position_embeddings"):
         peer.export(str(tmp_path), model="tiny-qwen3", tokens=8192, device="cpu")
-    assert peer.main(["export", "--out", str(tmp_path), "--model", "tiny-gpt-oss", "--device", "cpu"]) == 1
+    assert peer.main(["export", "--out", str(tmp_path), "--model", "tiny-qwen3-moe", "--device", "cpu"]) == 1
     assert "dense Qwen3" in json.loads((tmp_path / "export_error.json").read_text())["error"]
     assert not (tmp_path / "meta.json").exists()
 
@@ -170,3 +170,180 @@ def test_stage_script_writes_an_error_result_per_run_when_it_cannot_start(tmp_pa
         assert doc["variants"][0]["name"] == f"unsloth (double buffer {db})"
         assert "no-wheels/*.whl" in doc["error"] and doc["variants"][0]["error"] == doc["error"]
         assert f"unsloth (double buffer {db}): ERROR: stage script: no " in proc.stdout
+
+
+# --- GPT-OSS ---------------------------------------------------------------------------------------------------------
+GPT_TOKENS, GPT_ROW, GPT_LAYERS = 512, 256, 2
+
+
+@pytest.fixture(scope="module")
+def exported_gpt_oss(tmp_path_factory):
+    out = tmp_path_factory.mktemp("unsloth-peer-moe")
+    assert peer.main(["export", "--out", str(out), "--model", "tiny-gpt-oss", "--num-layers", str(GPT_LAYERS),
+                      "--tokens", str(GPT_TOKENS), "--row-tokens", str(GPT_ROW), "--steps", str(STEPS), "--mix",
+                      "short", "--device", "cpu"]) == 0
+    return out, json.loads((out / "meta.json").read_text())
+
+
+def test_gpt_oss_export_loads_back_with_its_config_tokenizer_and_batches(exported_gpt_oss):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fastsft_lab.data import benchmark_batches
+    from fastsft_lab.models import build_model
+
+    out, meta = exported_gpt_oss
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "gpt_oss" and cfg["output_router_logits"] is False and cfg["num_hidden_layers"] == 2
+    assert "quantization_config" not in cfg  # unquantized: Unsloth's loader reads fused bf16 experts
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.bfloat16)
+    tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    assert type(model).__name__ == "GptOssForCausalLM" and len(tok) == 256 == meta["vocab_size"]
+    reference = build_model("tiny-gpt-oss", device="cpu", dtype=torch.bfloat16, num_layers=GPT_LAYERS).state_dict()
+    loaded = model.state_dict()
+    assert set(loaded) == set(reference)
+    for name, tensor in reference.items():   # experts and sinks too, bit for bit
+        assert torch.equal(loaded[name], tensor), name
+    assert meta["family"] == "gpt_oss" and meta["targets"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert meta["load_in_4bit"] is False and meta["output_router_logits"] is False
+    assert meta["row_tokens"] == GPT_ROW and meta["rows"] == GPT_TOKENS // GPT_ROW and meta["tokens"] == GPT_TOKENS
+    assert meta["layer_types"] == ["sliding_attention", "full_attention"] and meta["sliding_window"] == 8
+    assert meta["num_local_experts"] == 8 and meta["experts_per_token"] == 2
+    _, raw = peer.read_export(str(out))
+    want = benchmark_batches(tokens_per_step=GPT_TOKENS, row_tokens=GPT_ROW, steps=STEPS, vocab_size=256,
+                             mix="short")
+    for got, b in zip(raw, want):
+        assert len(got["input_ids"]) == 2 and all(len(r) == GPT_ROW for r in got["input_ids"])
+        assert torch.equal(torch.tensor(got["position_ids"]), b.position_ids)
+        assert peer.length_stats(got["seq_lengths"], got["pad_lengths"], GPT_ROW) == b.length_stats()
+    assert meta["batches"] == [b.length_stats() for b in want]
+
+
+def test_gpt_oss_defaults_and_argument_checks(tmp_path):
+    d = peer.family_defaults("gpt_oss", 8192, 24)
+    assert d == {"num_layers": 24, "row_tokens": 4096, "targets": peer.GPT_OSS_LORA_TARGETS, "load_in_4bit": False}
+    assert peer.family_defaults("gpt_oss", 2048, 24)["row_tokens"] == 2048
+    assert peer.family_defaults("qwen3", 8192, 40)["num_layers"] == 8
+    with pytest.raises(ValueError, match="not a positive multiple"):
+        peer.export(str(tmp_path), model="tiny-gpt-oss", tokens=512, row_tokens=300, device="cpu")
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        peer.export(str(tmp_path), model="tiny-gpt-oss", tokens=16384, row_tokens=8192, device="cpu")
+    with pytest.raises(ValueError, match="one row"):
+        peer.export(str(tmp_path), model="tiny-qwen3", tokens=512, row_tokens=256, device="cpu")
+    with pytest.raises(ValueError, match="num_layers"):
+        peer.export(str(tmp_path), model="tiny-gpt-oss", num_layers=0, device="cpu")
+    with pytest.raises(ValueError, match="covers dense Qwen3 presets"):
+        peer.export(str(tmp_path), model="tiny-qwen3-moe", device="cpu")
+    with pytest.raises(OSError, match="GiB free"):
+        peer._check_free_space(str(tmp_path), 2**62)
+    with pytest.raises(SystemExit):
+        peer.main(["export", "--out", str(tmp_path), "--num-layers", "zero"])
+    assert not (tmp_path / "meta.json").exists()
+
+
+def test_gpt_oss_run_config_and_error_result(exported_gpt_oss, tmp_path):
+    out, meta = exported_gpt_oss
+    _, raw = peer.read_export(str(out))
+    config = peer.run_config(meta, raw, str(out), double_buffer="on", lengths_device="cpu", steps=2, warmup=1)
+    assert config["family"] == "gpt_oss" and config["load_in_4bit"] is False and config["rows"] == 2
+    assert config["tokens_per_step"] == GPT_TOKENS and config["row_tokens"] == GPT_ROW
+    assert config["lora_targets"] == ["q_proj", "k_proj", "v_proj", "o_proj"] and config["output_router_logits"] is False
+    assert config["segments_isolated"] is False and "PADDING_FREE_BLOCKLIST" in config["segments_isolated_reason"]
+    assert "not measured" in config["segments_isolated_source"] and config["packed_seq_lengths_device"] is None
+    assert "cross-entropy alone" in config["router_aux_loss"]
+    ctx = {"config": config, "toggles": peer.variant_toggles("gpt_oss", "on", "cpu"), "stage": "load"}
+    doc = peer.error_result(ctx, "load: RuntimeError: boom", "on", "cpu", None)
+    assert doc["variants"][0]["toggles"] == {"double_buffer": "on", "gradient_checkpointing": "unsloth",
+                                             "packed_seq_lengths": None, "load_in_4bit": False, "load_in_16bit": True}
+    assert doc["config"]["segments_isolated"] is False and doc["error"] == "load: RuntimeError: boom"
+    path = tmp_path / "err.json"
+    peer._write_json(str(path), doc)
+    assert peer.summary_line(str(path)) == "unsloth (double buffer on): ERROR: load: RuntimeError: boom"
+    qwen = peer.error_result({}, "x", "off", "cuda", None)["variants"][0]["toggles"]
+    assert qwen["load_in_4bit"] is True and qwen["packed_seq_lengths"] == "cuda"
+
+
+def test_gpt_oss_run_without_unsloth_writes_the_gpt_oss_config(exported_gpt_oss, tmp_path):
+    out, _ = exported_gpt_oss
+    result = tmp_path / "r.json"
+    code = (f"import runpy, sys; sys.modules['unsloth'] = None; "
+            f"sys.argv = ['unsloth_peer.py', 'run', '--dir', {str(out)!r}, '--out', {str(result)!r}]; "
+            f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    doc = json.loads(result.read_text())
+    assert doc["stage"] == "import unsloth" and doc["config"]["family"] == "gpt_oss"
+    assert doc["config"]["segments_isolated"] is False and doc["variants"][0]["toggles"]["load_in_16bit"] is True
+
+
+def test_lora_placement_check():
+    names = [f"m.layers.{i}.self_attn.{t}" for i in range(2) for t in peer.GPT_OSS_LORA_TARGETS]
+    trainable = [f"{n}.lora_A.default.weight" for n in names]
+    assert peer.check_lora_placement(names, trainable, peer.GPT_OSS_LORA_TARGETS, 2) is None
+    assert "want 8" in peer.check_lora_placement(names[:-1], trainable, peer.GPT_OSS_LORA_TARGETS, 2)
+    why = peer.check_lora_placement(names + ["m.layers.0.mlp.experts"], trainable + ["m.layers.0.mlp.router.weight"],
+                                    peer.GPT_OSS_LORA_TARGETS, 2)
+    assert "outside" in why and "non-adapter tensors train" in why
+
+
+def _block_diagonal_masks(b, window):
+    """Additive (rows, 1, T, T) masks: causal inside each segment (and its window for sliding layers), closed across."""
+    seg = torch.tensor([[i for i, n in enumerate(row) for _ in range(n)] for row in b.seq_lengths])
+    pos = torch.arange(seg.shape[1])
+    allowed = (seg[:, :, None] == seg[:, None, :]) & (pos[None, None, :] <= pos[None, :, None])
+    windowed = allowed & (pos[None, None, :] > pos[None, :, None] - window)
+    to_mask = lambda a: torch.zeros(a.shape).masked_fill(~a, float("-inf"))[:, None]  # noqa: E731
+    return {"full_attention": to_mask(allowed), "sliding_attention": to_mask(windowed)}
+
+
+@pytest.mark.parametrize("isolated", [True, False])
+def test_isolation_probe_on_stock_transformers(isolated):
+    """The probe on models whose answer is known: stock transformers 5.17 GPT-OSS (eager) without a mask is causal
+    over the whole row (its mask factories get no position_ids: packed segments see each other); with a
+    block-diagonal mask the segments are apart."""
+    from fastsft_lab.data import benchmark_batches
+    from fastsft_lab.models import build_model
+
+    model = build_model("tiny-gpt-oss", device="cpu", dtype=torch.float32, num_layers=2)
+    model.train()
+    b = benchmark_batches(tokens_per_step=512, row_tokens=256, steps=1, vocab_size=256, mix="short")[0]
+    feed = {"input_ids": b.input_ids, "labels": b.labels, "position_ids": b.position_ids, "use_cache": False}
+    if isolated:
+        feed["attention_mask"] = _block_diagonal_masks(b, model.config.sliding_window)
+    probe = peer.isolation_probe(lambda f: model(**f).loss, feed, b.seq_lengths, b.pad_lengths, model.model.layers,
+                                 model.config.layer_types, model.config.sliding_window, 256, torch)
+    assert probe["rerun_noise"] == 0.0 and probe["first_segment_own_change"] > peer.PROBE_CHANGED
+    assert probe["compared_after_first"] == [probe["first_segment"][1], probe["first_segment"][1] + 8]
+    assert probe["segments_isolated"] is isolated, probe
+    assert probe["causal"] is True, probe
+    assert peer.real_segments((3, 4, 5), 5) == [(0, 3), (3, 7)] and peer.real_segments((3, 4), 0) == [(0, 3), (3, 7)]
+
+
+def test_isolation_probe_sees_a_non_causal_model():
+    from fastsft_lab.data import benchmark_batches
+    from fastsft_lab.models import build_model
+
+    model = build_model("tiny-gpt-oss", device="cpu", dtype=torch.float32, num_layers=2)
+    model.train()
+    b = benchmark_batches(tokens_per_step=512, row_tokens=256, steps=1, vocab_size=256, mix="short")[0]
+    zeros = torch.zeros(2, 1, 256, 256)   # every position sees every other: neither isolated nor causal
+    feed = {"input_ids": b.input_ids, "labels": b.labels, "use_cache": False,
+            "attention_mask": {"full_attention": zeros, "sliding_attention": zeros}}
+    probe = peer.isolation_probe(lambda f: model(**f).loss, feed, b.seq_lengths, b.pad_lengths, model.model.layers,
+                                 model.config.layer_types, model.config.sliding_window, 256, torch)
+    assert probe["segments_isolated"] is False and probe["causal"] is False, probe
+    one = benchmark_batches(tokens_per_step=64, row_tokens=64, steps=1, vocab_size=256, mix="short")[0]
+    assert one.seq_lengths == ((64,),)
+    assert peer.isolation_probe(None, {}, one.seq_lengths, one.pad_lengths, [], None, None, 256, torch)[
+        "segments_isolated"] is None
+
+
+def test_stage_script_gpt_oss_defaults(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "UNSLOTH_WHEELS": str(tmp_path / "no-wheels"),
+           "UNSLOTH_PEER_MODEL": "tiny-gpt-oss", "UNSLOTH_PEER_TOKENS": "8192", "HOME": str(tmp_path),
+           "UNSLOTH_PEER_EXPORT_DIR": str(tmp_path / "export")}
+    proc = subprocess.run(["bash", "benchmarks/unsloth_peer.sh", str(tmp_path / "res")], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "tiny-gpt-oss, 4 layers, 8192 tokens in rows of 4096" in proc.stdout
+    for db in ("on", "off"):
+        assert (tmp_path / "res" / f"unsloth-tiny-gpt-oss-L4-8192-db{db}.json").is_file()
