@@ -155,6 +155,9 @@ MUTATIONS = [
              ("tests/test_lora.py",)),
     Mutation("fused-lora-dropout-skipped", "fastsft_lab/lora.py",
              "xd = self.lora_dropout[name](x).to(dtype)", "xd = x.to(dtype)", ("tests/test_lora.py",)),
+    Mutation("packed-attention-traced-by-compile", "fastsft_lab/packing/registry.py",
+             "AttentionInterface.register(backend.attn_name, torch.compiler.disable(attention))",
+             "AttentionInterface.register(backend.attn_name, attention)", ("tests/test_compiled_layers.py",)),
 ]
 
 

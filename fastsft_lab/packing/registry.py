@@ -100,7 +100,9 @@ def register_backend(backend: Backend) -> Backend:
 
     attention.__name__ = f"{backend.attn_name}_attention"
     attention.__doc__ = f"Packed attention, backend {backend.name!r} (fastsft_lab.packing)."
-    AttentionInterface.register(backend.attn_name, attention)
+    # Eager under torch.compile: a compiled decoder layer (nn.Module.compile, a regional compile) breaks its graph
+    # here instead of specialising on each batch's segment count and longest segment (a recompile per batch).
+    AttentionInterface.register(backend.attn_name, torch.compiler.disable(attention))
     _status.cache_clear()
     return backend
 

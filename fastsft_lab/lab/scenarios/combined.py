@@ -12,7 +12,9 @@ gradient checkpointing. Variants, interleaved step by step on the same batches:
   path here (packed ``position_ids``, no mask): its cost is the same step.
 * ``all naive``: per-layer metadata (varlen), offload with one buffer, the eager-loop experts (MoE).
 * the waterfall ``packed (cached metadata)`` -> ``+ sync_free experts`` (MoE) -> ``all fast`` (+ offload x2 + prefetch);
-* the ablation: ``all fast`` with one optimization back to its naive form at a time.
+* the ablation: ``all fast`` with one optimization back to its naive form at a time;
+* ``all fast + compiled layers`` (``compiled=true``): every decoder layer compiled in place (``nn.Module.compile``,
+  as Unsloth compiles its blocks), packed attention eager between the compiled regions.
 
 ``kernels=liger`` builds the model again with the fast-kernel floor the published fixes assume -- Liger-Kernel's
 RMSNorm, SwiGLU (Qwen3) and RoPE, fastsft_lab's fused linear cross-entropy (Liger's reads the token count back
@@ -33,7 +35,7 @@ from ...data import benchmark_batches
 from ...env import environment
 from ...lora import enable_fused_lora, fused_lora_targets
 from ...loss import enable_fused_loss
-from ...models import LoraSettings, base_model, build_model, get_preset
+from ...models import LoraSettings, base_model, build_model, decoder_layers, get_preset
 from ...moe import set_moe_routing
 from ...offload import disable_offloaded_checkpointing, enable_offloaded_checkpointing
 from ...packing import disable_packed_attention, enable_packed_attention, packed_inputs
@@ -86,10 +88,26 @@ def _reset(model: nn.Module, is_moe: bool) -> None:
     _configure(model, moe="stock" if is_moe else None)
 
 
+def compile_layers(model: nn.Module) -> int:
+    """Compile every decoder layer in place (``nn.Module.compile``: a regional compile, as Unsloth does); packed
+    attention stays eager (the registry wraps it in ``torch.compiler.disable``). Returns the number of layers.
+    Undone by :func:`uncompile_layers`."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
+def uncompile_layers(model: nn.Module) -> None:
+    """The decoder layers back to their eager forward (what :func:`compile_layers` changed, and only that)."""
+    for layer in decoder_layers(model):
+        layer._compiled_call_impl = None
+
+
 def combined_variants(model: nn.Module, *, is_moe: bool, packed: str = "varlen", which: str = "all",
-                      trl: bool = True) -> list[Variant]:
+                      trl: bool = True, compiled: bool = False) -> list[Variant]:
     """The variants of the module docstring (``which="core"``: default, all naive, all fast only; ``trl``: TRL's
-    activation offloading, which needs an accelerator)."""
+    activation offloading, which needs an accelerator; ``compiled``: also all fast with compiled decoder layers)."""
     stock_inputs = lambda b, s: b.model_inputs()      # noqa: E731
     meta_inputs = lambda b, s: packed_inputs(b)        # noqa: E731
     moe_fast = "sync_free" if is_moe else None
@@ -110,8 +128,23 @@ def combined_variants(model: nn.Module, *, is_moe: bool, packed: str = "varlen",
               moe=moe_naive, offload=1)
     fast = v("all fast", f"PackedMetadata once per batch ({packed}), offload x2 + prefetch, sync-free grouped "
              "experts: 0 host syncs", meta_inputs, packed=packed, moe=moe_fast, offload=2)
+    extra = []
+    if compiled:
+        def enable_compiled(m):
+            _configure(m, packed=packed, moe=moe_fast, offload=2)
+            compile_layers(m)
+
+        def disable_compiled(m):
+            uncompile_layers(m)
+            _reset(m, is_moe)
+
+        extra.append(Variant("all fast + compiled layers", {**fast.toggles, "compile_layers": True},
+                             enable=enable_compiled, disable=disable_compiled, inputs=meta_inputs,
+                             note="all fast with every decoder layer compiled (nn.Module.compile, inductor; a "
+                                  "regional compile as Unsloth's); packed attention runs eager between the compiled "
+                                  "regions; compiled in the warm-up steps"))
     if which == "core":
-        return [default, naive, fast]
+        return [default, naive, fast, *extra]
     out = [default]
     if is_moe:
         out.append(v("transformers, eager experts", "stock attention and checkpointing, transformers' eager "
@@ -143,7 +176,7 @@ def combined_variants(model: nn.Module, *, is_moe: bool, packed: str = "varlen",
     out.append(v("all fast, no batch check", "all fast without the on-device check that the metadata describes the "
                  "batch (check_batch=False): what that check costs", meta_inputs, packed=packed, moe=moe_fast,
                  offload=2, check=False))
-    return out
+    return out + extra
 
 
 def apply_liger(model: nn.Module, family: str) -> dict:
@@ -183,6 +216,8 @@ class CombinedOptions:
     liger_variants: str = option("core", kind="str", help="variant set on the liger build (all or core)")
     mix: str = option("realistic", kind="str", help="length mix")
     lora_rank: int = option(16, kind="int", help="LoRA rank")
+    compiled: bool = option(False, kind="bool", help="also time all fast with every decoder layer compiled "
+                            "(nn.Module.compile; give warmup >= 2: the first steps compile)")
     steps: int = option(4, kind="int", help="measured steps per variant")
     warmup: int = option(1, kind="int", help="warm-up steps per variant")
 
@@ -250,7 +285,7 @@ class CombinedScenario(Scenario):
                                                            mix=opts.mix)]
         which = opts.liger_variants if kernels == "liger" else opts.variants
         variants = combined_variants(model, is_moe=is_moe, which=which, packed=opts.backend,
-                                     trl=device.type == "cuda")
+                                     trl=device.type == "cuda", compiled=opts.compiled)
         label = f"{preset.name} {tokens} tok, kernels={kernels}"
         variants = with_autocast(variants, opts.autocast)
         rows = run_variants(model, batches, variants, steps=opts.steps, warmup=opts.warmup, progress=progress,
@@ -291,4 +326,4 @@ class CombinedScenario(Scenario):
 
 
 __all__ = ["CombinedScenario", "CombinedOptions", "combined_variants", "apply_liger", "build_combined_model",
-           "validate_models_and_kernels"]
+           "validate_models_and_kernels", "compile_layers", "uncompile_layers"]

@@ -1,0 +1,59 @@
+"""Regional compile (every decoder layer compiled in place, as Unsloth does) on top of the all-fast path: the same
+loss and gradients as the eager all-fast step, and one set of graphs for batches of any segment count (packed
+attention runs eager between the compiled regions, so a new batch never recompiles)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastsft_lab.data import benchmark_batches
+from fastsft_lab.lab.scenarios.combined import (build_combined_model, combined_variants, compile_layers,
+                                                uncompile_layers)
+from fastsft_lab.models import decoder_layers, get_preset
+
+
+def _step(model, variant, batch):
+    model.zero_grad(set_to_none=True)
+    variant.enable(model)
+    try:
+        loss = model(**variant.inputs(batch, None)).loss
+        loss.backward()
+    finally:
+        variant.disable(model)
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("backend", ["varlen", "sdpa"])
+def test_compiled_layers_match_all_fast_and_never_recompile_for_a_new_batch(backend, one_cpu_thread):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = build_combined_model(get_preset("tiny-qwen3"), num_layers=2, lora_rank=4, device=torch.device("cpu"))
+    batches = benchmark_batches(tokens_per_step=256, row_tokens=256, steps=4, vocab_size=model.config.vocab_size,
+                                mix="short", seed=3)
+    assert len({b.num_sequences for b in batches}) > 1          # batches with different segment counts
+    variants = {v.name: v for v in combined_variants(model, is_moe=False, which="core", packed=backend, trl=False,
+                                                     compiled=True)}
+    fast, compiled = variants["all fast"], variants["all fast + compiled layers"]
+    assert compiled.toggles["compile_layers"] is True
+    try:
+        graphs = []
+        for batch in batches:
+            want_loss, want = _step(model, fast, batch)
+            got_loss, got = _step(model, compiled, batch)
+            torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+            assert got.keys() == want.keys() and got
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+            graphs.append(counters["stats"]["unique_graphs"])
+        assert graphs[0] > 0 and graphs[-1] == graphs[0], graphs    # compiled once, for the first batch only
+        assert all(layer._compiled_call_impl is None for layer in decoder_layers(model))   # disable undid it
+        assert compile_layers(model) == 2 and all(layer._compiled_call_impl is not None
+                                                  for layer in decoder_layers(model))
+        uncompile_layers(model)
+        assert all(layer._compiled_call_impl is None for layer in decoder_layers(model))
+    finally:
+        uncompile_layers(model)
+        torch._dynamo.reset()
