@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import torch
@@ -14,10 +13,12 @@ def _grouped_mm_fn() -> Callable | None:
     return fn
 
 
-@functools.lru_cache(maxsize=None)
 def _torch_version() -> tuple[int, int]:
     major, minor = torch.__version__.split("+")[0].split(".")[:2]
     return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+_TORCH_VERSION = _torch_version()   # a constant, so that torch.compile traces no cache wrapper
 
 
 def grouped_mm_unavailable(x: torch.Tensor, weight: torch.Tensor) -> str | None:
@@ -25,7 +26,7 @@ def grouped_mm_unavailable(x: torch.Tensor, weight: torch.Tensor) -> str | None:
 
     Conditions follow transformers' ``_can_use_grouped_mm`` and PyTorch's kernels: CUDA needs sm80+ and bfloat16
     (other dtypes go through a PyTorch fallback that reads the offsets back); the CPU kernel exists from torch 2.9
-    (and wants 16-byte aligned pointers up to 2.10).
+    (and wants 16-byte aligned pointers up to 2.10); under ``torch.compile`` its shape function takes bfloat16 only.
     """
     if _grouped_mm_fn() is None:
         return f"torch {torch.__version__} has no grouped_mm"
@@ -36,7 +37,9 @@ def grouped_mm_unavailable(x: torch.Tensor, weight: torch.Tensor) -> str | None:
             return f"grouped_mm on CUDA runs sync-free in bfloat16 only (got {x.dtype})"
         return None
     if x.device.type == "cpu":
-        version = _torch_version()
+        version = _TORCH_VERSION
+        if torch.compiler.is_compiling() and (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16):
+            return f"grouped_mm under torch.compile on a CPU traces in bfloat16 only (got {x.dtype})"
         if version < (2, 9):
             return f"torch {torch.__version__} has no CPU grouped_mm kernel (needs >= 2.9)"
         if version <= (2, 10) and (x.data_ptr() % 16 or weight.data_ptr() % 16):
