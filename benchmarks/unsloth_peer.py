@@ -60,17 +60,36 @@ GPT-OSS (``gpt-oss-20b``; read from the 2026.10.9 wheels, checked on the live mo
 * Attention (unsloth_zoo/temporary_patches/gpt_oss.py, ``patch_GptOssAttention`` / ``patch_GptOssModel``,
   installed when ``UNSLOTH_MODEL_NAME`` names gpt_oss): in training ``flex_attention_with_sink(self, q, k, v)``
   (unsloth_zoo/flex_attention/attention_sink.py): torch's compiled flex attention over a BlockMask that is causal
-  (full layers) or sliding-window 128 (``sliding_window`` layers), built once per shape and reused, sinks applied by
-  rescaling the output with ``sigmoid(lse - sink)``; the model forward drops ``attention_mask``. No mask of
-  segments exists on this path and ``packed_seq_lengths`` is read nowhere: **packed segments of a row attend to
-  each other** (position_ids restart only RoPE); unsloth/trainer.py lists gpt_oss in ``PADDING_FREE_BLOCKLIST``.
-  The batches are fed as ``(rows, 4096)`` ``input_ids``/``labels``/``position_ids`` without
-  ``packed_seq_lengths``. ``config.segments_isolated`` is False by that reading and replaced by what a probe
-  measures after the timed steps (``isolation_probe``: layer 0's attention output with the first segment's ids
-  changed must not move after it; ``causal_measured``: with the last segment changed nothing before it may move),
-  with ``segments_isolated_reason``. One segment per row is not possible with these batches, so no exact variant
-  is run: the measured step does causal-over-the-row attention, other work than our per-segment varlen, and its
-  loss is not comparable.
+  (``q >= kv``, full layers) or causal sliding-window 128 (``q - kv < 128``, the ``sliding_window`` layers, every
+  other one), built once per shape and broadcast over batch and heads, sinks applied by rescaling each query's
+  output with ``sigmoid(lse - sink)`` (lse over that query's allowed keys). In training ``GptOssModel.forward``
+  sets ``attention_mask = None`` (no mask factory runs) and the attention is called without one; ``position_ids``
+  reach only RoPE (default ``arange(width)``). No mask of segments exists on this path and ``packed_seq_lengths``
+  is read nowhere: **packed segments of a row attend to each other**; unsloth/trainer.py lists gpt_oss in
+  ``PADDING_FREE_BLOCKLIST`` and turns ``packing``/``padding_free`` off for it, so TRL's collator pads: one row
+  per sequence, right padding, labels -100 and ``attention_mask`` 0 on the pads, no position_ids, padded to a
+  multiple of 128 (Unsloth's SFTConfig sets ``pad_to_multiple_of`` to the flex block size when flex attention is
+  on, unsloth/models/rl.py).
+* Layout ``--layout padded`` (the default for GPT-OSS): what an Unsloth user trains. Each real segment of our
+  packed batch becomes its own row (same sequences per step, in packed order), right-padded with the pad token to
+  the step's longest sequence rounded up to ``--pad-to-multiple-of`` (128), its labels the packed labels of its
+  tokens (the first is -100 there, so the HF shift gives the same (position, target) pairs: checked per batch)
+  and -100 on pads, ``attention_mask`` 1/0 (dropped in training, see above). Right padding with a causal or causal
+  sliding-window mask is exact for the real tokens: none attends to a pad after it, the sink rescale reads only
+  the keys it attends to, and the loss is the mean over the same labelled tokens as our packed step
+  (``segments_isolated`` True by construction; ``padded_probe`` measures it after the timed steps: a row's real
+  outputs at layer 0's attention and the final norm must not move when another row's tokens change, nor when its
+  own pads change). What is compared: our packed step against Unsloth's padded step over the same sequences;
+  the padding waste (``padded_tokens_per_step`` against ``real_tokens_per_step``, ``padding_fraction``: rows x
+  the longest sequence) is part of what an Unsloth user pays. One forward per step, no micro-batches. Every new
+  padded shape recompiles Unsloth's GPT-OSS pieces (batch dimension marked static) and builds a BlockMask, so
+  warmup runs until every batch shape a measured step meets has run once (``config.warmup_run``).
+* Layout ``--layout packed``: the export's ``(rows, 4096)`` ``input_ids``/``labels``/``position_ids`` without
+  ``packed_seq_lengths``. ``config.segments_isolated`` is False by the reading above and replaced by what a
+  probe measures after the timed steps (``isolation_probe``: layer 0's attention output with the first segment's
+  ids changed must not move after it; ``causal_measured``: with the last segment changed nothing before it may
+  move), with ``segments_isolated_reason``. The measured step does causal-over-the-row attention, other work than
+  our per-segment varlen, and its loss is not comparable.
 * Experts (frozen, bf16): ``patch_gpt_oss_moe_for_lora`` replaces ``GptOssExperts.forward`` with
   ``forward_native_grouped_mm`` (unsloth_zoo/temporary_patches/moe_utils.py: ``torch._grouped_mm`` when a probe
   finds it supported, as on H100/H200; GPT-OSS's interleaved gate_up never takes its Triton grouped GEMM, else
@@ -82,6 +101,9 @@ GPT-OSS (``gpt-oss-20b``; read from the 2026.10.9 wheels, checked on the live mo
   512), checked the same way. Loss: cross-entropy only, ``output_router_logits=False`` (no router aux loss),
   as our combined scenario's GPT-OSS.
 
+``tokens_per_s``: real tokens per step (mean over the exported batches, pad tails and pads left out) over the
+median step; ``padded_tokens_per_s`` counts what the model computes on (rows x width).
+
 Timing as the harness: CUDA events around forward, backward, optimizer (step + zero_grad) and the whole step,
 one sync after each step, ``warmup`` untimed steps first, batches cycled ``batch[s % n]``; peak memory is
 ``max_memory_allocated`` reset before each step (max over all steps, as the harness). Host syncs are counted over
@@ -91,7 +113,8 @@ and a run where the
 measured path is not the claimed one (no 4-bit layers, packed attention not reached, no offload, double buffer
 not as asked, adapters without gradients, a non-finite loss; for GPT-OSS also 4-bit layers, router logits on,
 LoRA off its four targets, non-bf16 expert weights, Unsloth's flex-sink attention not on the model) -- writes a
-result whose variant carries ``error``.
+result whose variant carries ``error``. ``--layout padded`` is refused for Qwen3: Unsloth packs Qwen3 itself
+(``packed_seq_lengths``), which is what that peer measures.
 """
 
 from __future__ import annotations
@@ -116,6 +139,12 @@ FAMILIES = ("qwen3", "gpt_oss")
 LORA_ALPHA = 32
 LORA_DROPOUT = 0.0
 LR = 1e-6
+LAYOUTS = ("packed", "padded")
+IGNORE_INDEX = -100
+PAD_TOKEN_ID = 0  # the export's pad token ("t0"), benchmark_batches' pad_token_id
+# Unsloth's SFTConfig sets pad_to_multiple_of to torch's flex block size (_DEFAULT_SPARSE_BLOCK_SIZE, 128) when
+# flex attention is on, as for GPT-OSS (unsloth/models/rl.py, "pad_to_multiple_of = FLEX_ATTENTION_BLOCK_SIZE").
+FLEX_PAD_MULTIPLE = 128
 EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
                 "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "batches.json")
 
@@ -338,7 +367,8 @@ def export(out: str, model: str = "qwen3-14b", num_layers: int | None | str = "a
     meta = {
         "preset": model, "family": preset.family, "hub_id": preset.hub_id, "num_layers": num_layers_built,
         "tokens": tokens, "row_tokens": row_tokens, "rows": tokens // row_tokens, "steps": steps, "mix": mix,
-        "vocab_size": vocab, "lora_rank": lora_rank, "lora_alpha": LORA_ALPHA, "lora_dropout": LORA_DROPOUT,
+        "vocab_size": vocab, "pad_token_id": 0, "lora_rank": lora_rank, "lora_alpha": LORA_ALPHA,
+        "lora_dropout": LORA_DROPOUT,
         "targets": list(targets), "load_in_4bit": defaults["load_in_4bit"], "dtype": "bfloat16", "params": n_params,
         "weights": "random, fastsft_lab.models.build_model seed 0 (the harness's init), bf16 safetensors",
         "weight_bytes": weight_bytes, "shards": shards, "save_seconds": save_seconds, **arch,
@@ -396,7 +426,14 @@ def _variant_name(double_buffer: str) -> str:
     return f"unsloth (double buffer {double_buffer})"
 
 
-def _note(family: str, double_buffer: str, lengths_device: str) -> str:
+def _note(family: str, double_buffer: str, lengths_device: str, layout: str = "packed") -> str:
+    if family == "gpt_oss" and layout == "padded":
+        return (f"Unsloth {_dist_version('unsloth')} FastLanguageModel -> FastModel (GPT-OSS): bf16 weights, 16-bit "
+                "LoRA on q/k/v/o, experts frozen (torch._grouped_mm when available), unsloth_zoo "
+                "flex_attention_with_sink (causal / sliding-window mask over each padded row), padded layout: one "
+                "sequence per row, right padding, attention_mask passed (dropped by its training forward), bf16 "
+                f"autocast; offloaded gradient checkpointing, double buffer {double_buffer}; tokens_per_s on real "
+                "tokens; host syncs from torch.cuda sync-debug warnings")
     if family == "gpt_oss":
         return (f"Unsloth {_dist_version('unsloth')} FastLanguageModel -> FastModel (GPT-OSS): bf16 weights, 16-bit LoRA "
                 "on q/k/v/o, experts frozen (torch._grouped_mm when available), unsloth_zoo flex_attention_with_sink "
@@ -424,18 +461,47 @@ SINK_ENTRY_POINTS = ("flex_attention", "reused_compiled_create_block_mask", "com
 PROBE_SAME, PROBE_CHANGED = 1e-3, 1e-2  # relative L2 change: <= SAME is unchanged, > CHANGED is changed
 
 
-def variant_toggles(family: str, double_buffer: str, lengths_device: str) -> dict:
+def variant_toggles(family: str, double_buffer: str, lengths_device: str, layout: str | None = None) -> dict:
+    layout = default_layout(family) if layout is None else layout
     if family == "gpt_oss":
         return {"double_buffer": double_buffer, "gradient_checkpointing": "unsloth", "packed_seq_lengths": None,
-                "load_in_4bit": False, "load_in_16bit": True}
+                "load_in_4bit": False, "load_in_16bit": True, "layout": layout}
     return {"double_buffer": double_buffer, "gradient_checkpointing": "unsloth", "packed_seq_lengths": lengths_device,
-            "load_in_4bit": True}
+            "load_in_4bit": True, "layout": layout}
+
+
+GPT_OSS_PADDED_REASON = (
+    "padded layout: each sequence is its own row, right-padded, so no two sequences share a row. Unsloth 2026.10.9's "
+    "training attention (unsloth_zoo flex_attention_with_sink) drops attention_mask but is causal (full layers) or "
+    "causal sliding-window 128 (q - kv < 128) over the row: a real token attends only to earlier tokens of its own "
+    "sequence and never to a pad after it, the sinks rescale each query by sigmoid(lse - sink) over those same keys, "
+    "RoPE gets the model's default position_ids 0..n-1 on the real tokens, pads carry labels -100; so the real "
+    "tokens' outputs and the loss are those of each sequence alone. Checked by variants[0].packing.probe.")
+
+
+def layout_stats(raw: list[dict], layout: str, multiple: int) -> dict:
+    """Tokens per step for a layout: real (the sequences), fed (what the model computes on: rows x row tokens for
+    packed, rows x padded width for padded), per exported batch and their mean."""
+    real = [sum(n for lens, pad in zip(b["seq_lengths"], b["pad_lengths"]) for n in (lens[:-1] if pad else lens))
+            for b in raw]
+    if layout == "padded":
+        shapes = [(len(p["lengths"]), p["width"]) for p in (padded_layout(b, multiple=multiple) for b in raw)]
+    else:
+        shapes = [(len(b["input_ids"]), len(b["input_ids"][0])) for b in raw]
+    fed = [r * w for r, w in shapes]
+    return {"real_tokens_per_step": round(sum(real) / len(real), 1),
+            "padded_tokens_per_step": round(sum(fed) / len(fed), 1),
+            "padding_fraction": round(1 - sum(real) / sum(fed), 4),
+            "real_tokens_per_batch": real, "padded_tokens_per_batch": fed,
+            "shapes_per_batch": [list(x) for x in shapes]}
 
 
 def run_config(meta: dict, raw: list[dict], folder: str, *, double_buffer: str, lengths_device: str, steps: int,
-               warmup: int) -> dict:
+               warmup: int, layout: str | None = None, pad_multiple: int | None = None) -> dict:
     """The result's ``config`` block for an export (both families); what the run measures is added later."""
     family = meta.get("family", "qwen3")
+    layout = check_layout(family, layout)
+    pad_multiple = (FLEX_PAD_MULTIPLE if layout == "padded" else 1) if pad_multiple is None else pad_multiple
     rows = len(raw[0]["input_ids"])
     row_tokens = len(raw[0]["input_ids"][0])
     config = {"model": meta["preset"], "family": family, "num_layers": meta["num_layers"],
@@ -448,7 +514,19 @@ def run_config(meta: dict, raw: list[dict], folder: str, *, double_buffer: str, 
               "dtype": "bfloat16", "optimizer": "torch.optim.AdamW", "lr": LR, "steps": steps, "warmup": warmup,
               "batch": length_stats(raw[0]["seq_lengths"], raw[0]["pad_lengths"], meta["row_tokens"]),
               "export": {k: meta.get(k) for k in ("weights", "params", "date", "versions", "vocab_size")},
-              "export_dir": os.path.abspath(folder)}
+              "export_dir": os.path.abspath(folder), "layout": layout,
+              **layout_stats(raw, layout, pad_multiple)}
+    if layout == "padded":
+        config.update({
+            "pad_to_multiple_of": pad_multiple,
+            "padded_inputs": "one row per sequence of the packed batch (same sequences per step, packed order), "
+                             "right-padded with the pad token to the step's longest sequence rounded up to "
+                             f"pad_to_multiple_of ({pad_multiple}: Unsloth's SFTConfig default for GPT-OSS, torch's "
+                             "flex block size), labels -100 on pads and the packed labels on real tokens (the same "
+                             "(position, target) pairs), attention_mask 1/0, no position_ids (the model's default "
+                             "arange, as TRL's collator feeds it)",
+            "tokens_per_step_note": "tokens_per_step is the packed batch's rows x row_tokens; the padded step computes "
+                                    "on padded_tokens_per_step tokens"})
     if family == "gpt_oss":
         config.update({
             "quant": "none: bf16 weights (FastModel 16-bit LoRA, load_in_4bit=False, load_in_16bit=True), as our "
@@ -463,6 +541,15 @@ def run_config(meta: dict, raw: list[dict], folder: str, *, double_buffer: str, 
             "segments_isolated": False, "segments_isolated_reason": GPT_OSS_ISOLATION_REASON,
             "segments_isolated_source": "reading of Unsloth's source (not measured in this run)",
             "causal_measured": None})
+        if layout == "padded":
+            config.update({
+                "attention": "unsloth_zoo flex_attention_with_sink: causal / sliding-window BlockMask over each "
+                             "padded row (attention_mask passed, dropped in training), sinks by sigmoid(lse - sink) "
+                             "rescaling",
+                "segments_isolated": True, "segments_isolated_reason": GPT_OSS_PADDED_REASON,
+                "segments_isolated_source": "construction (one sequence per row, right padding); the probe's "
+                                            "measurement is added after the run",
+                "rows_independent_measured": None, "right_padding_exact_measured": None})
     return config
 
 
@@ -507,6 +594,12 @@ def gpt_oss_paths(model, layers, torch) -> dict:
         "experts_dtypes": {n: str(p.dtype).replace("torch.", "") for n, p in experts.named_parameters()},
         "experts_trainable": any(p.requires_grad for p in experts.parameters()),
         "router_class": name(type(layers[0].mlp.router))})
+    inner = getattr(getattr(model, "base_model", None), "model", model)
+    inner = getattr(inner, "model", None)
+    if inner is not None:
+        out["model_forward"] = name(type(inner).forward)
+        out["zoo_model_forward"] = bool(zoo is not None and getattr(type(inner).forward, "__module__", None)
+                                        == zoo.__name__)
     base = model
     for _ in range(3):
         base = base.get_base_model() if hasattr(base, "get_base_model") else base
@@ -524,6 +617,178 @@ def real_segments(seq_lengths, pad_length: int) -> list[tuple[int, int]]:
         spans.append((start, start + n))
         start += n
     return spans[:-1] if pad_length else spans
+
+
+def default_layout(family: str) -> str:
+    """padded for GPT-OSS (Unsloth blocklists padding-free packing for it), packed for Qwen3."""
+    return "padded" if family == "gpt_oss" else "packed"
+
+
+def check_layout(family: str, layout: str | None) -> str:
+    """The layout a run uses (None: the family's default); raises on one the peer does not run."""
+    layout = default_layout(family) if layout is None else layout
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if family != "gpt_oss" and layout == "padded":
+        raise ValueError("layout 'padded' is for GPT-OSS only: Unsloth packs Qwen3 itself (packed_seq_lengths, "
+                         "per-segment attention), which is what the Qwen3 peer measures")
+    return layout
+
+
+def padded_layout(batch: dict, pad_token_id: int = PAD_TOKEN_ID, multiple: int = 1) -> dict:
+    """One packed batch (batches.json) as an Unsloth GPT-OSS user feeds it: every real segment its own row, in the
+    packed order, right-padded with ``pad_token_id`` to the step's longest sequence (rounded up to ``multiple``, as
+    TRL's collator with Unsloth's ``pad_to_multiple_of``), labels the segment's own slice of the packed labels
+    (its first token is already -100 there) and -100 on the pads, ``attention_mask`` 1 on real tokens, 0 on pads.
+    The model's default position_ids (arange over the row: 0..n-1 on the real tokens) are what RoPE needs, so none
+    are built. Plain lists: both environments use it. Raises if a segment's first label is not -100 or a padding
+    tail carries a label (the labelled (position, target) pairs would then differ from the packed batch's)."""
+    if multiple < 1:
+        raise ValueError(f"pad multiple must be >= 1, got {multiple}")
+    ids, labels, lengths, origin = [], [], [], []
+    for r, (lens, pad) in enumerate(zip(batch["seq_lengths"], batch["pad_lengths"])):
+        spans = real_segments(lens, pad)
+        end = spans[-1][1] if spans else 0
+        if any(x != IGNORE_INDEX for x in batch["labels"][r][end:]):
+            raise ValueError(f"row {r}: the padding tail carries labels")
+        for s, e in spans:
+            seg_labels = batch["labels"][r][s:e]
+            if seg_labels[0] != IGNORE_INDEX:
+                raise ValueError(f"row {r}: the segment at {s} has label {seg_labels[0]} on its first token: in the "
+                                 "packed row the previous sequence's last token is scored on it, alone it is not")
+            ids.append(batch["input_ids"][r][s:e])
+            labels.append(seg_labels)
+            lengths.append(e - s)
+            origin.append([r, s])
+    if not lengths:
+        raise ValueError("the batch holds no real segment")
+    longest = max(lengths)
+    width = -(-longest // multiple) * multiple
+    pad = lambda row, value: list(row) + [value] * (width - len(row))  # noqa: E731
+    return {"input_ids": [pad(x, pad_token_id) for x in ids], "labels": [pad(x, IGNORE_INDEX) for x in labels],
+            "attention_mask": [[1] * n + [0] * (width - n) for n in lengths], "lengths": lengths, "width": width,
+            "longest": longest, "origin": origin, "real_tokens": sum(lengths), "padded_tokens": width * len(lengths)}
+
+
+def labelled_pairs_packed(batch: dict) -> list[tuple[int, int, int]]:
+    """(sequence, position in it, target) of every labelled prediction of a packed batch under the HF causal-LM
+    shift over each whole row (position t predicts labels[t + 1]); sequences numbered in row order. A pair whose
+    position and target lie in different segments is returned with position -1 (it must not exist)."""
+    out, seq = [], 0
+    for r, (lens, pad) in enumerate(zip(batch["seq_lengths"], batch["pad_lengths"])):
+        starts, k = [], 0
+        for n in lens:
+            starts.append(k)
+            k += n
+        spans = real_segments(lens, pad)
+        row_labels = batch["labels"][r]
+        for t in range(len(row_labels) - 1):
+            target = row_labels[t + 1]
+            if target == IGNORE_INDEX:
+                continue
+            i = next((i for i, (s, e) in enumerate(spans) if s <= t + 1 < e), None)
+            if i is None or not spans[i][0] <= t < spans[i][1]:
+                out.append((seq + (i if i is not None else len(spans)), -1, target))
+                continue
+            out.append((seq + i, t - spans[i][0], target))
+        seq += len(spans)
+    return sorted(out)
+
+
+def labelled_pairs_padded(padded: dict) -> list[tuple[int, int, int]]:
+    """The same pairs for a padded layout (one sequence per row, the shift within each row)."""
+    return sorted((r, t, row[t + 1]) for r, row in enumerate(padded["labels"]) for t in range(len(row) - 1)
+                  if row[t + 1] != IGNORE_INDEX)
+
+
+def warmup_covering(shapes: list, warmup: int, steps: int) -> int:
+    """The fewest warmup steps >= ``warmup`` after which every batch shape a measured step meets (batch
+    ``s % len(shapes)`` at step ``s``) has already run once: Unsloth's compiled GPT-OSS pieces keep the batch
+    dimension static (mark_static) and build a BlockMask per length, so a new padded shape recompiles."""
+    n = len(shapes)
+    for w in range(warmup, warmup + n + 1):
+        seen = {shapes[s % n] for s in range(w)}
+        if all(shapes[s % n] in seen for s in range(w, w + steps)):
+            return w
+    return warmup + n
+
+
+def _combine(verdicts) -> bool | None:
+    verdicts = list(verdicts)
+    if any(v is False for v in verdicts):
+        return False
+    return True if verdicts and all(v is True for v in verdicts) else None
+
+
+def padded_probe(forward, feed: dict, lengths, modules: dict, vocab_size: int, torch) -> dict:
+    """For the padded layout (one sequence per row, right padding), measured on the outputs of ``modules`` (e.g.
+    layer 0's attention and the final norm): a row's real positions must not move when another row's tokens change
+    (rows are independent; control: the changed row moves) nor when its own pads after them change (right padding
+    with a causal mask is exact; control: the pad positions move)."""
+    width = feed["input_ids"].shape[1]
+    rows = len(lengths)
+    padded_rows = [i for i, n in enumerate(lengths) if n < width]
+    r = min(padded_rows, key=lambda i: lengths[i]) if padded_rows else 0
+    o = max((i for i in range(rows) if i != r), key=lambda i: lengths[i], default=None)
+    pick = [r] if o is None else [r, o]
+    captured: dict = {}
+
+    def hook_for(name):
+        def hook(module, args, output):
+            t = output[0] if isinstance(output, tuple) else output
+            captured.setdefault(name, t[pick].detach().float().cpu())
+        return hook
+
+    def outputs(ids):
+        captured.clear()
+        with torch.no_grad():
+            forward({**feed, "input_ids": ids})
+        missing = [n for n in modules if n not in captured]
+        if missing:
+            raise RuntimeError(f"{missing} never ran under the probe's hooks")
+        return dict(captured)
+
+    def rel(a, b, row, lo, hi):
+        d, ref = a[row, lo:hi] - b[row, lo:hi], b[row, lo:hi]
+        return round(float(d.norm() / ref.norm().clamp_min(1e-30)), 6)
+
+    ids = feed["input_ids"]
+    other, pads = ids.clone(), ids.clone()
+    if o is not None:
+        other[o, :lengths[o]] = (other[o, :lengths[o]] + 1) % vocab_size
+    pads[r, lengths[r]:] = (pads[r, lengths[r]:] + 1) % vocab_size
+    handles = [m.register_forward_hook(hook_for(n)) for n, m in modules.items()]
+    try:
+        base, again = outputs(ids), outputs(ids)
+        changed_other = outputs(other) if o is not None else None
+        changed_pads = outputs(pads) if lengths[r] < width else None
+    finally:
+        for h in handles:
+            h.remove()
+    out = {"row": r, "row_length": lengths[r], "other_row": o, "other_length": lengths[o] if o is not None else None,
+           "width": width, "thresholds": {"unchanged_at_most": PROBE_SAME, "changed_above": PROBE_CHANGED},
+           "what": "relative L2 change of the modules' outputs (batch 0) on a row's real positions when another "
+                   "row's tokens change, and when its own pad tokens change", "modules": {}}
+    rows_v, pads_v = [], []
+    for name in modules:
+        m = {"rerun_noise": rel(again[name], base[name], 0, 0, lengths[r])}
+        quiet = m["rerun_noise"] <= PROBE_SAME
+        if changed_other is not None:
+            m["row_change_other_row"] = rel(changed_other[name], base[name], 0, 0, lengths[r])
+            m["row_change_control"] = rel(changed_other[name], base[name], 1, 0, lengths[o])
+            rows_v.append(_verdict(m["row_change_other_row"], quiet and m["row_change_control"] > PROBE_CHANGED))
+        if changed_pads is not None:
+            m["pad_change_real_positions"] = rel(changed_pads[name], base[name], 0, 0, lengths[r])
+            m["pad_change_control"] = rel(changed_pads[name], base[name], 0, lengths[r], width)
+            pads_v.append(_verdict(m["pad_change_real_positions"], quiet and m["pad_change_control"] > PROBE_CHANGED))
+        out["modules"][name] = m
+    out["rows_independent"] = _combine(rows_v)
+    out["right_padding_exact"] = _combine(pads_v)
+    if o is None:
+        out["rows_independent_note"] = "one row only: nothing to compare"
+    if changed_pads is None:
+        out["right_padding_note"] = "no row of batch 0 is padded"
+    return out
 
 
 def _verdict(changed: float | None, same_ok: bool = True) -> bool | None:
@@ -653,8 +918,12 @@ def _sync_warnings(fn, torch) -> tuple[int, dict]:
 
 
 def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps: int | None = None,
-        lengths_device: str = "cpu", allow_cpu: bool = False, ctx: dict | None = None) -> dict:
-    """Measure Unsloth on an export folder and write ``out``; ``ctx`` collects what is known if it fails."""
+        lengths_device: str = "cpu", allow_cpu: bool = False, ctx: dict | None = None, layout: str | None = None,
+        pad_multiple: int | None = None) -> dict:
+    """Measure Unsloth on an export folder and write ``out``; ``ctx`` collects what is known if it fails.
+
+    ``layout``: "packed" (the export's rows; Qwen3 with packed_seq_lengths) or "padded" (GPT-OSS only: one
+    right-padded row per sequence, ``pad_multiple`` default 128); None: the family's default."""
     ctx = ctx if ctx is not None else {}
     ctx["stage"] = "read export"
     meta, raw = read_export(folder)
@@ -670,10 +939,29 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
     tokens = rows * row_tokens
     if row_tokens != meta["row_tokens"]:
         raise ValueError(f"batches.json rows hold {row_tokens} tokens, meta.json says {meta['row_tokens']}")
+    ctx["toggles"] = variant_toggles(family, double_buffer, lengths_device,
+                                     layout if layout in LAYOUTS else None)
+    layout = check_layout(family, layout)
+    padded = layout == "padded"
+    if pad_multiple is not None and not padded:
+        raise ValueError("a pad multiple applies to the padded layout only")
+    pad_multiple = (FLEX_PAD_MULTIPLE if padded else 1) if pad_multiple is None else pad_multiple
+    if pad_multiple < 1:
+        raise ValueError(f"pad multiple must be >= 1, got {pad_multiple}")
     config = run_config(meta, raw, folder, double_buffer=double_buffer, lengths_device=lengths_device, steps=steps,
-                        warmup=warmup)
+                        warmup=warmup, layout=layout, pad_multiple=pad_multiple)
     ctx["config"] = config
-    ctx["toggles"] = variant_toggles(family, double_buffer, lengths_device)
+    layouts = [padded_layout(b, meta.get("pad_token_id", PAD_TOKEN_ID), pad_multiple) for b in raw] if padded else []
+    for i, (b, p) in enumerate(zip(raw, layouts)):  # the same labelled (position, target) pairs as the packed batch
+        if labelled_pairs_padded(p) != labelled_pairs_packed(b):
+            raise ValueError(f"batch {i}: the padded layout's labelled pairs differ from the packed batch's")
+    shapes = [tuple(x) for x in config["shapes_per_batch"]]
+    warmup_run = warmup_covering(shapes, warmup, steps) if padded else warmup
+    config["warmup_run"] = warmup_run
+    if warmup_run != warmup:
+        config["warmup_note"] = (f"{warmup_run} warmup steps instead of {warmup}: every padded batch shape a measured "
+                                 "step meets runs once untimed first (a new shape recompiles Unsloth's GPT-OSS pieces "
+                                 "and builds a new BlockMask)")
 
     ctx["stage"] = "environment"
     if "transformers" in sys.modules:
@@ -716,9 +1004,10 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
     ctx["stage"] = ("load (FastLanguageModel.from_pretrained, bf16 16-bit LoRA)" if gpt_oss else
                     "load (FastLanguageModel.from_pretrained, 4-bit)")
     t = time.time()
+    max_seq = max([row_tokens] + [p["width"] for p in layouts])
     if gpt_oss:  # model_type gpt_oss -> FastModel.from_pretrained (loader.py); exact name: no hub-name mapping
         model, _tok = FastLanguageModel.from_pretrained(
-            model_name=os.path.abspath(folder), max_seq_length=row_tokens, dtype=torch.bfloat16, load_in_4bit=False,
+            model_name=os.path.abspath(folder), max_seq_length=max_seq, dtype=torch.bfloat16, load_in_4bit=False,
             load_in_16bit=True, local_files_only=True, fix_tokenizer=False, use_gradient_checkpointing="unsloth",
             use_exact_model_name=True)
     else:
@@ -747,7 +1036,7 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
     model = FastLanguageModel.get_peft_model(
         model, r=int(meta["lora_rank"]), target_modules=list(meta["targets"]),
         lora_alpha=config["lora_alpha"], lora_dropout=config["lora_dropout"], bias="none",
-        use_gradient_checkpointing="unsloth", random_state=3407, max_seq_length=row_tokens)
+        use_gradient_checkpointing="unsloth", random_state=3407, max_seq_length=max_seq)
     timings["peft_s"] = round(time.time() - t, 1)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not trainable:
@@ -782,7 +1071,10 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
 
     ctx["stage"] = "batches"
     feeds = []
-    for b in raw if gpt_oss else []:  # (rows, row_tokens): its GPT-OSS forward reads no packed_seq_lengths
+    for p in layouts:  # what TRL's collator gives an Unsloth GPT-OSS user: right padding, attention_mask, labels
+        feeds.append({key: torch.tensor(p[key], dtype=torch.long, device=device)
+                      for key in ("input_ids", "attention_mask", "labels")} | {"use_cache": False})
+    for b in raw if gpt_oss and not padded else []:  # (rows, row_tokens): no packed_seq_lengths for GPT-OSS
         feeds.append({key: torch.tensor(b[key], dtype=torch.long, device=device)
                       for key in ("input_ids", "labels", "position_ids")} | {"use_cache": False})
     for b in [] if gpt_oss else raw:  # rows laid end to end: Unsloth's packed path takes one (1, T) row
@@ -808,9 +1100,9 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
     samples = {k: [] for k in ("forward", "backward", "optimizer", "step")}
     losses, peaks, peaks_measured, first_steps, db_measured = [], [], [], [], []
     resident, forward_peaks = [], []  # allocated before each measured step; the allocator's peak after its forward
-    total = warmup + steps
+    total = warmup_run + steps
     for s in range(total):
-        measured = s >= warmup
+        measured = s >= warmup_run
         ctx["stage"] = f"step {s + 1}/{total} ({'measured' if measured else 'warmup'})"
         feed = feeds[s % len(feeds)]
         if cuda:
@@ -904,7 +1196,28 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
         profiled = profile_gpu(forward_backward)
         optimizer.zero_grad(set_to_none=True)
     probe = None
-    if gpt_oss:  # last: whatever it leaves behind touches nothing measured
+    if padded:  # last: whatever it leaves behind touches nothing measured
+        ctx["stage"] = "padded-layout probe (untimed, no grad)"
+        try:
+            base = model
+            for _ in range(3):
+                base = base.get_base_model() if hasattr(base, "get_base_model") else base
+            probe = padded_probe(forward, feeds[0], layouts[0]["lengths"],
+                                 {"layer0_attention": layers[0].self_attn, "final_norm": base.model.norm},
+                                 meta["vocab_size"], torch)
+        except Exception as e:  # noqa: BLE001 - an unanswered probe is recorded, never claimed either way
+            probe = {"rows_independent": None, "right_padding_exact": None,
+                     "error": _one_line(f"{type(e).__name__}: {e}", 300)}
+        config["rows_independent_measured"] = probe.get("rows_independent")
+        config["right_padding_exact_measured"] = probe.get("right_padding_exact")
+        if False in (probe.get("rows_independent"), probe.get("right_padding_exact")):
+            config["segments_isolated"] = False
+            config["segments_isolated_source"] = "measured: variants[0].packing.probe (batch 0) contradicts the layout"
+        elif probe.get("rows_independent") and probe.get("right_padding_exact"):
+            config["segments_isolated_source"] = ("construction, confirmed by variants[0].packing.probe (batch 0)")
+        _log(f"padded probe: rows_independent={probe.get('rows_independent')}, "
+             f"right_padding_exact={probe.get('right_padding_exact')}")
+    elif gpt_oss:
         ctx["stage"] = "segment-isolation probe (untimed, no grad)"
         try:
             probe = isolation_probe(forward, feeds[0], raw[0]["seq_lengths"], raw[0]["pad_lengths"], layers,
@@ -921,7 +1234,7 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
         _log(f"isolation probe: segments_isolated={probe.get('segments_isolated')}, causal={probe.get('causal')}")
 
     variant = {"name": _variant_name(double_buffer), "toggles": ctx["toggles"],
-               "note": _note(family, double_buffer, lengths_device)}
+               "note": _note(family, double_buffer, lengths_device, layout)}
     for k in ("forward", "backward", "optimizer", "step"):
         variant[f"{k}_ms"] = percentiles(samples[k])
     step_s = variant["step_ms"]["median"] / 1e3
@@ -931,7 +1244,9 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
         "resident_mem_bytes": max(resident) if resident else None,
         "forward_peak_mem_bytes": max(forward_peaks) if forward_peaks else None,
         "loss_median": percentiles(losses)["median"], "losses": [round(x, 5) for x in losses],
-        "tokens_per_s": round(tokens / step_s, 1) if step_s > 0 else None,
+        "tokens_per_s": round(config["real_tokens_per_step"] / step_s, 1) if step_s > 0 else None,
+        "tokens_per_s_basis": "real tokens per step (mean over the exported batches) / median step",
+        "padded_tokens_per_s": round(config["padded_tokens_per_step"] / step_s, 1) if step_s > 0 else None,
         "host_syncs_per_step": syncs, "host_syncs_optimizer": syncs_opt,
         "host_syncs_method": "torch.cuda.set_sync_debug_mode('warn'): warnings 'called a synchronizing CUDA operation' over one "
                              "untimed forward+backward (batch 0); optimizer step apart",
@@ -983,14 +1298,34 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
         if any(state != (double_buffer == "on") for state in db_measured):
             problems.append(f"double buffer asked {double_buffer} but Unsloth's was {db_measured} over the measured "
                             "steps (it turns on from the second forward if > 512 MiB are free; off on OOM)")
-    if gpt_oss:
-        packing = {"packed_seq_lengths": "not passed (its GPT-OSS forward has no packed path)",
+    if padded:
+        packing = {"layout": "padded", "packed_seq_lengths": "not passed (one sequence per row)",
+                   "attention_mask": "passed (1 real, 0 pad); GptOssModel.forward sets it to None in training once "
+                                     "the flex-sink attention is installed, and that attention builds its own mask",
+                   "position_ids": "not passed: GptOssModel.forward uses arange(width) (cache_position)",
+                   "attention": "flex_attention_with_sink (unsloth_zoo), causal / sliding-window BlockMask over "
+                                "each padded row", "probe": probe, **packing}
+    elif gpt_oss:
+        packing = {"layout": "packed", "packed_seq_lengths": "not passed (its GPT-OSS forward has no packed path)",
                    "attention": "flex_attention_with_sink (unsloth_zoo), causal / sliding-window BlockMask over "
                                 "each whole row", "probe": probe, **packing}
     variant["packing"] = packing
     variant["model"] = model_info
     warnings_ = []  # deviations that do not invalidate the measurement, but a reader must see
-    if gpt_oss:
+    if padded:
+        for key, what in (("rows_independent", "rows are NOT independent: a row's outputs moved when another row's "
+                                               "tokens changed"),
+                          ("right_padding_exact", "right padding is NOT exact: real positions moved when the pads "
+                                                  "after them changed")):
+            if probe and probe.get(key) is False:
+                warnings_.append(f"{what} (measured by the probe): the padded step is not each sequence alone")
+            elif not probe or probe.get(key) is None:
+                warnings_.append(f"{key} could not be measured (probe inconclusive or failed): see packing.probe")
+        if cuda and model_info.get("zoo_model_forward") is False:
+            warnings_.append(f"GptOssModel.forward is {model_info.get('model_forward')}, not unsloth_zoo's: the "
+                             "reading that training drops attention_mask does not apply (its flex-sink attention "
+                             "ignores any mask in training either way)")
+    if gpt_oss and not padded:
         if probe and probe.get("segments_isolated") is False:
             warnings_.append("packed segments are NOT isolated: later segments of a row attend to earlier ones "
                              "(measured by the probe). Unsloth's attention computes causal attention over each "
@@ -1001,6 +1336,7 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
                              "packing.probe")
         if probe and probe.get("causal") is False:
             warnings_.append("the probe saw earlier positions change when a later segment changed: not causal")
+    if gpt_oss:
         if cuda and not attention_calls.get("flex_attention"):
             warnings_.append("no call of attention_sink.flex_attention was counted (its caller may have been "
                              "traced by torch.compile): the attention path rests on the class check alone")
@@ -1021,12 +1357,17 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
     if problems:
         msg = "; ".join(problems)
         unverified = {k: variant.pop(k) for k in list(variant) if k.endswith("_ms") or k in (
-            "peak_mem_bytes", "peak_mem_bytes_measured", "loss_median", "tokens_per_s", "host_syncs_per_step")}
+            "peak_mem_bytes", "peak_mem_bytes_measured", "loss_median", "tokens_per_s", "padded_tokens_per_s",
+            "host_syncs_per_step")}
         variant.update(error=f"check failed: {msg}", unverified_measurements=unverified)
     config["timings_s"] = timings
     config["env_requested"] = ctx["env_requested"]
     result = {"scenario": SCENARIO, "env": env, "config": config, "variants": [variant],
               "notes": ("Unsloth's own 16-bit LoRA path for GPT-OSS (bf16 weights, attention LoRA) on the combined "
+                        "benchmark's architecture and the sequences of its batches, padded as an Unsloth user trains "
+                        "GPT-OSS (one right-padded row per sequence; padding-free packing is blocklisted for "
+                        "gpt_oss); tokens_per_s counts real tokens" if padded else
+                        "Unsloth's own 16-bit LoRA path for GPT-OSS (bf16 weights, attention LoRA) on the combined "
                         "benchmark's architecture and batches; packed segments are not kept apart by its attention "
                         "(config.segments_isolated, measured)" if gpt_oss else
                         "Unsloth's own QLoRA path on the combined benchmark's architecture and batches") +
@@ -1080,10 +1421,12 @@ def _cli_run(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _on_signal)
     ctx: dict = {}
-    _log(f"run: {args.dir} -> {args.out} (double buffer {args.double_buffer}, warmup {args.warmup})")
+    _log(f"run: {args.dir} -> {args.out} (double buffer {args.double_buffer}, warmup {args.warmup}, layout "
+         f"{args.layout or 'the family default'})")
     try:
         result = run(args.dir, args.out, double_buffer=args.double_buffer, warmup=args.warmup, steps=args.steps,
-                     lengths_device=args.seq_lengths_device, allow_cpu=args.allow_cpu, ctx=ctx)
+                     lengths_device=args.seq_lengths_device, allow_cpu=args.allow_cpu, ctx=ctx, layout=args.layout,
+                     pad_multiple=args.pad_to_multiple_of)
     except BaseException as e:  # noqa: BLE001 - every failure becomes an error result
         _SIGNALLED[0] = True  # from here on a late signal must not interrupt writing the error result
         interrupted = isinstance(e, (KeyboardInterrupt, Interrupted))
@@ -1177,6 +1520,13 @@ def main(argv=None) -> int:
     rn.add_argument("--steps", type=int, default=None, help="measured steps (default: one per exported batch)")
     rn.add_argument("--seq-lengths-device", choices=("cpu", "cuda"), default="cpu",
                     help="where packed_seq_lengths lives: the collator's host tensor, or moved as HF Trainer does")
+    rn.add_argument("--layout", choices=LAYOUTS, default=None,
+                    help="packed: the export's rows (Qwen3 with packed_seq_lengths; GPT-OSS segments then attend "
+                         "across a row); padded (GPT-OSS only): one right-padded row per sequence, as Unsloth trains "
+                         "GPT-OSS. Default: padded for GPT-OSS, packed for Qwen3")
+    rn.add_argument("--pad-to-multiple-of", type=int, default=None,
+                    help=f"padded layout: round the padded width up to this (default {FLEX_PAD_MULTIPLE}, Unsloth's "
+                         "SFTConfig value for GPT-OSS; 1: the step's longest sequence)")
     rn.add_argument("--allow-cpu", action="store_true", help="development only: Unsloth's CPU backend")
     er = sub.add_parser("error-json", help="write an error result (for the stage script when a run left none)")
     er.add_argument("--out", required=True)

@@ -9,8 +9,8 @@
 # 3. runs benchmarks/unsloth_peer.py run in the UNSLOTH environment (PYTHONPATH=$UNSLOTH_SITE:$PWD, never our
 #    site folder), once with the double buffer on and once off, each in its own process under its own timeout;
 #    a failing run does not stop the other; each writes
-#    RESULTS_DIR/unsloth-<model>-L<layers>-<tokens>-db{on,off}.json (an error result if it failed, timed out or was
-#    never started) and its log beside it;
+#    RESULTS_DIR/unsloth-<model>-L<layers>-<tokens>-db{on,off}.json (GPT-OSS: ...-<tokens>-<layout>-db{on,off}.json;
+#    an error result if it failed, timed out or was never started) and its log beside it;
 # 4. prints one summary line per run. Exit status 0 only if both runs produced measurements.
 #
 # Time: the whole stage keeps within UNSLOTH_PEER_BUDGET seconds (default 560: set it a little below the stage's
@@ -18,7 +18,10 @@
 # (it pays the cold compile caches), the second run all that remains. Other settings: UNSLOTH_PEER_MODEL
 # (qwen3-14b, or gpt-oss-20b: bf16, attention LoRA, 4096-token rows), UNSLOTH_PEER_LAYERS (8; 24 = all for
 # gpt-oss-20b), UNSLOTH_PEER_TOKENS (8192), UNSLOTH_PEER_ROW_TOKENS (= tokens; 4096 for GPT-OSS),
-# UNSLOTH_PEER_STEPS (6 batches = measured steps), UNSLOTH_PEER_WARMUP (2),
+# UNSLOTH_PEER_LAYOUT (padded for GPT-OSS: one right-padded row per sequence, as Unsloth trains it, padding-free
+# packing being blocklisted for gpt_oss; packed: the export's rows, its segments attending across a row; Qwen3:
+# packed only), UNSLOTH_PEER_STEPS (6 batches = measured steps), UNSLOTH_PEER_WARMUP (2; the padded layout adds
+# warmup steps until every batch shape has run once),
 # UNSLOTH_PEER_DB ("on off": which double-buffer settings run, in order), UNSLOTH_PEER_MIX (realistic), UNSLOTH_PEER_RANK (16), UNSLOTH_PEER_REUSE=1 (keep a complete earlier export),
 # UNSLOTH_PEER_KEEP=1 (keep the exported weights afterwards; default: deleted, they are ~8 GB for Qwen3-14B x8,
 # ~39 GiB for GPT-OSS-20B x24), UNSLOTH_PEER_EXPORT_DIR (/tmp/unsloth-peer; for GPT-OSS /dev/shm/unsloth-peer-moe when
@@ -55,6 +58,12 @@ else
   ROW_TOKENS=${UNSLOTH_PEER_ROW_TOKENS:-$TOKENS}
   EXPORT_MAX_DEFAULT=240
 fi
+if [ "$FAMILY" = gpt_oss ]; then DEFAULT_LAYOUT=padded; else DEFAULT_LAYOUT=packed; fi
+LAYOUT=${UNSLOTH_PEER_LAYOUT:-$DEFAULT_LAYOUT}
+case "$LAYOUT" in packed|padded) ;; *) echo "UNSLOTH_PEER_LAYOUT must be packed or padded, got: $LAYOUT" >&2; exit 2 ;; esac
+if [ "$FAMILY" != gpt_oss ] && [ "$LAYOUT" = padded ]; then
+  echo "UNSLOTH_PEER_LAYOUT=padded is for GPT-OSS only (the Qwen3 peer measures Unsloth's own packing)" >&2; exit 2
+fi
 STEPS=${UNSLOTH_PEER_STEPS:-6}
 WARMUP=${UNSLOTH_PEER_WARMUP:-2}
 MIX=${UNSLOTH_PEER_MIX:-realistic}
@@ -65,6 +74,7 @@ BUDGET=${UNSLOTH_PEER_BUDGET:-560}
 EXPORT_MAX=${UNSLOTH_PEER_EXPORT_TIMEOUT:-$EXPORT_MAX_DEFAULT}
 EXPORT_DIR=${UNSLOTH_PEER_EXPORT_DIR:-/tmp/unsloth-peer}
 STEM="unsloth-${MODEL}-L${LAYERS}-${TOKENS}"
+[ "$FAMILY" = gpt_oss ] && STEM="$STEM-$LAYOUT"
 OUR_PYTHONPATH=${PYTHONPATH:-$PWD}
 START=$SECONDS
 INTERRUPTED=0
@@ -99,7 +109,7 @@ finish() {
   exit $status
 }
 
-log "Unsloth peer: $MODEL, $LAYERS layers, $TOKENS tokens in rows of $ROW_TOKENS, export $EXPORT_DIR, $STEPS steps (+$WARMUP warmup), budget ${BUDGET}s -> $R"
+log "Unsloth peer: $MODEL, $LAYERS layers, $TOKENS tokens in rows of $ROW_TOKENS, layout $LAYOUT, export $EXPORT_DIR, $STEPS steps (+$WARMUP warmup), budget ${BUDGET}s -> $R"
 for db in $DBS; do rm -f "$(out_of "$db")"; done
 
 # 1. Unsloth's own site folder
@@ -158,7 +168,7 @@ for db in $DBS; do
     HF_DATASETS_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1 UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_compiled_cache \
     TOKENIZERS_PARALLELISM=false UNSLOTH_PEER_TIMEOUT_S="$t" \
     timeout --foreground -s INT -k 30 "$t" "$PY" "$SCRIPT" run --dir "$EXPORT_DIR" --out "$out" \
-    --double-buffer "$db" --warmup "$WARMUP" ${UNSLOTH_PEER_RUN_ARGS:-} > "$logf" 2>&1
+    --double-buffer "$db" --warmup "$WARMUP" --layout "$LAYOUT" ${UNSLOTH_PEER_RUN_ARGS:-} > "$logf" 2>&1
   rc=$?
   if ! grep -q '"scenario"' "$out" 2>/dev/null; then
     why=$(last_line "$logf")

@@ -243,23 +243,27 @@ def test_gpt_oss_defaults_and_argument_checks(tmp_path):
 def test_gpt_oss_run_config_and_error_result(exported_gpt_oss, tmp_path):
     out, meta = exported_gpt_oss
     _, raw = peer.read_export(str(out))
-    config = peer.run_config(meta, raw, str(out), double_buffer="on", lengths_device="cpu", steps=2, warmup=1)
+    config = peer.run_config(meta, raw, str(out), double_buffer="on", lengths_device="cpu", steps=2, warmup=1,
+                             layout="packed")
     assert config["family"] == "gpt_oss" and config["load_in_4bit"] is False and config["rows"] == 2
+    assert config["layout"] == "packed" and config["padded_tokens_per_step"] == GPT_TOKENS
     assert config["tokens_per_step"] == GPT_TOKENS and config["row_tokens"] == GPT_ROW
     assert config["lora_targets"] == ["q_proj", "k_proj", "v_proj", "o_proj"] and config["output_router_logits"] is False
     assert config["segments_isolated"] is False and "PADDING_FREE_BLOCKLIST" in config["segments_isolated_reason"]
     assert "not measured" in config["segments_isolated_source"] and config["packed_seq_lengths_device"] is None
     assert "cross-entropy alone" in config["router_aux_loss"]
-    ctx = {"config": config, "toggles": peer.variant_toggles("gpt_oss", "on", "cpu"), "stage": "load"}
+    ctx = {"config": config, "toggles": peer.variant_toggles("gpt_oss", "on", "cpu", "packed"), "stage": "load"}
     doc = peer.error_result(ctx, "load: RuntimeError: boom", "on", "cpu", None)
     assert doc["variants"][0]["toggles"] == {"double_buffer": "on", "gradient_checkpointing": "unsloth",
-                                             "packed_seq_lengths": None, "load_in_4bit": False, "load_in_16bit": True}
+                                             "packed_seq_lengths": None, "load_in_4bit": False, "load_in_16bit": True,
+                                             "layout": "packed"}
     assert doc["config"]["segments_isolated"] is False and doc["error"] == "load: RuntimeError: boom"
     path = tmp_path / "err.json"
     peer._write_json(str(path), doc)
     assert peer.summary_line(str(path)) == "unsloth (double buffer on): ERROR: load: RuntimeError: boom"
     qwen = peer.error_result({}, "x", "off", "cuda", None)["variants"][0]["toggles"]
-    assert qwen["load_in_4bit"] is True and qwen["packed_seq_lengths"] == "cuda"
+    assert qwen["load_in_4bit"] is True and qwen["packed_seq_lengths"] == "cuda" and qwen["layout"] == "packed"
+    assert peer.variant_toggles("gpt_oss", "off", "cpu")["layout"] == "padded"
 
 
 def test_gpt_oss_run_without_unsloth_writes_the_gpt_oss_config(exported_gpt_oss, tmp_path):
@@ -272,7 +276,11 @@ def test_gpt_oss_run_without_unsloth_writes_the_gpt_oss_config(exported_gpt_oss,
     assert proc.returncode == 1, proc.stdout + proc.stderr
     doc = json.loads(result.read_text())
     assert doc["stage"] == "import unsloth" and doc["config"]["family"] == "gpt_oss"
-    assert doc["config"]["segments_isolated"] is False and doc["variants"][0]["toggles"]["load_in_16bit"] is True
+    assert doc["variants"][0]["toggles"]["load_in_16bit"] is True
+    # the default layout for GPT-OSS is padded: one row per sequence, isolated by construction
+    assert doc["config"]["layout"] == "padded" and doc["variants"][0]["toggles"]["layout"] == "padded"
+    assert doc["config"]["segments_isolated"] is True and doc["config"]["pad_to_multiple_of"] == 128
+    assert doc["config"]["warmup_run"] >= 2
 
 
 def test_lora_placement_check():
@@ -344,6 +352,201 @@ def test_stage_script_gpt_oss_defaults(tmp_path):
     proc = subprocess.run(["bash", "benchmarks/unsloth_peer.sh", str(tmp_path / "res")], capture_output=True,
                           text=True, timeout=120, cwd=ROOT, env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "tiny-gpt-oss, 4 layers, 8192 tokens in rows of 4096" in proc.stdout
+    assert "tiny-gpt-oss, 4 layers, 8192 tokens in rows of 4096, layout padded" in proc.stdout
     for db in ("on", "off"):
-        assert (tmp_path / "res" / f"unsloth-tiny-gpt-oss-L4-8192-db{db}.json").is_file()
+        assert (tmp_path / "res" / f"unsloth-tiny-gpt-oss-L4-8192-padded-db{db}.json").is_file()
+    proc = subprocess.run(["bash", "benchmarks/unsloth_peer.sh", str(tmp_path / "res2")], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env={**env, "UNSLOTH_PEER_LAYOUT": "packed"})
+    assert "layout packed" in proc.stdout
+    assert (tmp_path / "res2" / "unsloth-tiny-gpt-oss-L4-8192-packed-dbon.json").is_file()
+
+
+@pytest.mark.parametrize("model, layout", [("tiny-qwen3", "padded"), ("tiny-gpt-oss", "sorted")])
+def test_stage_script_refuses_a_layout(tmp_path, model, layout):
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "UNSLOTH_WHEELS": str(tmp_path / "no-wheels"),
+           "UNSLOTH_PEER_MODEL": model, "UNSLOTH_PEER_LAYOUT": layout, "HOME": str(tmp_path)}
+    proc = subprocess.run(["bash", "benchmarks/unsloth_peer.sh", str(tmp_path / "res")], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT, env=env)
+    assert proc.returncode == 2 and "UNSLOTH_PEER_LAYOUT" in proc.stderr, proc.stdout + proc.stderr
+
+
+# --- GPT-OSS, padded layout -------------------------------------------------------------------------------------------
+def _segments(b):
+    """(row, start, end) of every real segment of a packed batch dict, in row order."""
+    return [(r, s, e) for r, (lens, pad) in enumerate(zip(b["seq_lengths"], b["pad_lengths"]))
+            for s, e in peer.real_segments(lens, pad)]
+
+
+@pytest.mark.parametrize("multiple", [1, 16, 128])
+def test_padded_layout_from_the_export(exported_gpt_oss, multiple):
+    out, _ = exported_gpt_oss
+    _, raw = peer.read_export(str(out))
+    for b in raw:
+        p = peer.padded_layout(b, multiple=multiple)
+        segs = _segments(b)
+        assert len(p["input_ids"]) == len(p["labels"]) == len(p["attention_mask"]) == len(segs) > 2
+        assert p["lengths"] == [e - s for _, s, e in segs] and p["origin"] == [[r, s] for r, s, _ in segs]
+        assert p["longest"] == max(p["lengths"]) and p["width"] % multiple == 0
+        assert p["longest"] <= p["width"] < p["longest"] + multiple
+        assert p["real_tokens"] == sum(p["lengths"]) == GPT_TOKENS - sum(b["pad_lengths"])
+        assert p["padded_tokens"] == p["width"] * len(segs)
+        for (r, s, e), ids, labels, mask, n in zip(segs, p["input_ids"], p["labels"], p["attention_mask"],
+                                                   p["lengths"]):
+            assert len(ids) == len(labels) == len(mask) == p["width"]
+            assert ids[:n] == b["input_ids"][r][s:e] and ids[n:] == [0] * (p["width"] - n)   # right padding
+            assert labels[:n] == b["labels"][r][s:e] and labels[n:] == [-100] * (p["width"] - n)
+            assert labels[0] == -100 and mask == [1] * n + [0] * (p["width"] - n)
+        pairs = peer.labelled_pairs_padded(p)
+        assert pairs == peer.labelled_pairs_packed(b) and pairs and all(pos >= 0 for _, pos, _ in pairs)
+        # the same labelled tokens: every pair's target is the sequence's own next token
+        assert all(p["input_ids"][q][t + 1] == target for q, t, target in pairs)
+
+
+def test_padded_layout_refuses_labels_that_would_change_the_pairs():
+    b = {"input_ids": [[5, 6, 7, 8, 9, 0]], "labels": [[-100, 6, -100, 8, 9, -100]],
+         "position_ids": [[0, 1, 0, 1, 2, 0]], "seq_lengths": [[2, 3, 1]], "pad_lengths": [1]}
+    p = peer.padded_layout(b)
+    assert p["lengths"] == [2, 3] and p["width"] == 3 and p["input_ids"] == [[5, 6, 0], [7, 8, 9]]
+    assert peer.labelled_pairs_padded(p) == peer.labelled_pairs_packed(b) == [(0, 0, 6), (1, 0, 8), (1, 1, 9)]
+    crossing = {**b, "labels": [[-100, 6, 7, 8, 9, -100]]}   # the second segment's first token labelled
+    assert (1, -1, 7) in peer.labelled_pairs_packed(crossing)   # seq 0's last token scored on seq 1's first
+    with pytest.raises(ValueError, match="first token"):
+        peer.padded_layout(crossing)
+    with pytest.raises(ValueError, match="padding tail"):
+        peer.padded_layout({**b, "labels": [[-100, 6, -100, 8, 9, 3]]})
+    with pytest.raises(ValueError, match="multiple"):
+        peer.padded_layout(b, multiple=0)
+
+
+def _tiny_gpt_oss():
+    from fastsft_lab.models import build_model
+
+    model = build_model("tiny-gpt-oss", device="cpu", dtype=torch.float32, num_layers=2,
+                        attn_implementation="eager")
+    model.train()  # dropout 0: training mode is deterministic
+    assert model.config._attn_implementation == "eager"
+    return model
+
+
+def _packed_and_padded(multiple=1):
+    from fastsft_lab.data import benchmark_batches
+
+    b = benchmark_batches(tokens_per_step=512, row_tokens=256, steps=1, vocab_size=256, mix="short")[0]
+    raw = peer.batches_to_json([b])[0]
+    p = peer.padded_layout(raw, multiple=multiple)
+    feed = {k: torch.tensor(p[k]) for k in ("input_ids", "labels", "attention_mask")}
+    return b, raw, p, feed
+
+
+@pytest.mark.parametrize("multiple", [1, 128])
+def test_padded_batch_gives_the_loss_of_each_sequence_alone_on_stock_transformers(multiple):
+    """The padded layout's loss (stock transformers 5.17 GPT-OSS, eager: sinks, sliding window 8 on layer 0) is the
+    mean over the same labelled tokens as each sequence run alone, and as the packed batch with a block-diagonal
+    mask (our packed step's computation); with the attention_mask dropped (as Unsloth's training forward does) the
+    causal mask alone gives the same: right padding is exact."""
+    import torch.nn.functional as F
+
+    model = _tiny_gpt_oss()
+    b, raw, p, feed = _packed_and_padded(multiple)
+    assert p["width"] < 256 or multiple > 1
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    with torch.no_grad():
+        for ids, labels, n in zip(p["input_ids"], p["labels"], p["lengths"]):
+            logits = model(input_ids=torch.tensor([ids[:n]]), use_cache=False).logits[0].double()
+            target = torch.tensor(labels[1:n])
+            total += F.cross_entropy(logits[:-1], target, ignore_index=-100, reduction="sum")
+            count += int((target != -100).sum())
+        alone = float(total / count)
+        padded = float(model(**feed, use_cache=False).loss)
+        no_mask = float(model(input_ids=feed["input_ids"], labels=feed["labels"], use_cache=False).loss)
+        packed = float(model(input_ids=b.input_ids, labels=b.labels, position_ids=b.position_ids, use_cache=False,
+                             attention_mask=_block_diagonal_masks(b, model.config.sliding_window)).loss)
+    assert count == len(peer.labelled_pairs_packed(raw)) == int((b.labels[:, 1:] != -100).sum())
+    assert padded == pytest.approx(alone, rel=1e-5, abs=1e-6)
+    assert no_mask == pytest.approx(alone, rel=1e-5, abs=1e-6)
+    assert packed == pytest.approx(alone, rel=1e-5, abs=1e-6)
+
+
+def test_padded_probe_on_stock_transformers():
+    model = _tiny_gpt_oss()
+    _, _, p, feed = _packed_and_padded(16)
+    modules = {"layer0_attention": model.model.layers[0].self_attn, "final_norm": model.model.norm}
+    forward = lambda f: model(**f, use_cache=False).loss  # noqa: E731
+    probe = peer.padded_probe(forward, feed, p["lengths"], modules, 256, torch)
+    assert probe["rows_independent"] is True and probe["right_padding_exact"] is True, probe
+    assert probe["row_length"] == min(p["lengths"]) and probe["other_length"] == max(p["lengths"])
+    for m in probe["modules"].values():
+        assert m["rerun_noise"] == 0.0 and m["row_change_control"] > peer.PROBE_CHANGED
+        assert m["pad_change_control"] > peer.PROBE_CHANGED and m["pad_change_real_positions"] == 0.0
+    # Every position sees every other (no causal mask): the pads after a real token reach it.
+    zeros = torch.zeros(len(p["lengths"]), 1, p["width"], p["width"])
+    mask = {"full_attention": zeros, "sliding_attention": zeros}
+    probe = peer.padded_probe(forward, {**feed, "attention_mask": mask}, p["lengths"], modules, 256, torch)
+    assert probe["right_padding_exact"] is False and probe["rows_independent"] is True, probe
+    # Rows mixed (the embedding of each row gets the batch mean): a row moves with another row's tokens.
+    handle = model.model.embed_tokens.register_forward_hook(lambda m, a, out: out + out.mean(0, keepdim=True))
+    try:
+        probe = peer.padded_probe(forward, feed, p["lengths"], modules, 256, torch)
+    finally:
+        handle.remove()
+    assert probe["rows_independent"] is False, probe
+    one = peer.padded_probe(forward, {k: v[:1] for k, v in feed.items()}, p["lengths"][:1], modules, 256, torch)
+    assert one["rows_independent"] is None and one["other_row"] is None
+
+
+def test_layout_arguments(exported, exported_gpt_oss, tmp_path):
+    assert peer.check_layout("gpt_oss", None) == "padded" and peer.check_layout("qwen3", None) == "packed"
+    assert peer.check_layout("gpt_oss", "packed") == "packed"
+    with pytest.raises(ValueError, match="GPT-OSS only"):
+        peer.check_layout("qwen3", "padded")
+    with pytest.raises(ValueError, match="one of packed, padded"):
+        peer.check_layout("gpt_oss", "sorted")
+    with pytest.raises(SystemExit):
+        peer.main(["run", "--dir", str(tmp_path), "--out", str(tmp_path / "r.json"), "--layout", "sorted"])
+    ctx: dict = {}
+    with pytest.raises(ValueError, match="GPT-OSS only"):   # refused before anything is imported or loaded
+        peer.run(str(exported[0]), str(tmp_path / "r.json"), layout="padded", ctx=ctx)
+    assert ctx["stage"] == "read export" and ctx["toggles"]["layout"] == "padded"
+    doc = peer.error_result(ctx, "read export: ValueError: layout 'padded' is for GPT-OSS only", "on", "cpu", None)
+    assert doc["variants"][0]["toggles"]["layout"] == "padded" and "GPT-OSS only" in doc["error"]
+    with pytest.raises(ValueError, match="padded layout only"):
+        peer.run(str(exported_gpt_oss[0]), str(tmp_path / "r.json"), layout="packed", pad_multiple=128)
+    with pytest.raises(ValueError, match=">= 1"):
+        peer.run(str(exported_gpt_oss[0]), str(tmp_path / "r.json"), pad_multiple=0)
+
+
+def test_warmup_covers_every_measured_shape():
+    assert peer.warmup_covering([(2, 256)] * 6, 2, 6) == 2
+    shapes = [(12, 2176), (8, 1792), (16, 768), (32, 384), (19, 1024), (18, 768)]
+    assert peer.warmup_covering(shapes, 2, 6) == 6
+    assert peer.warmup_covering(shapes, 2, 2) == 6   # 4 or 5 would measure a batch not yet run (4, 5)
+    assert peer.warmup_covering(shapes, 8, 6) == 8
+    assert peer.warmup_covering([(1, 8), (2, 8), (1, 8)], 1, 1) == 2   # step 2 is batch 2, the shape of batch 0
+    assert peer.warmup_covering([(1, 8)] * 3, 0, 4) == 1   # one untimed step, even with warmup 0
+
+
+def test_padded_run_config(exported, exported_gpt_oss):
+    out, meta = exported_gpt_oss
+    _, raw = peer.read_export(str(out))
+    config = peer.run_config(meta, raw, str(out), double_buffer="off", lengths_device="cpu", steps=2, warmup=2)
+    layouts = [peer.padded_layout(b, multiple=128) for b in raw]
+    assert config["layout"] == "padded" and config["pad_to_multiple_of"] == 128
+    assert config["segments_isolated"] is True and "construction" in config["segments_isolated_source"]
+    assert "flex_attention_with_sink" in config["segments_isolated_reason"]
+    assert config["real_tokens_per_batch"] == [p["real_tokens"] for p in layouts]
+    assert config["padded_tokens_per_batch"] == [p["padded_tokens"] for p in layouts]
+    assert config["shapes_per_batch"] == [[len(p["lengths"]), p["width"]] for p in layouts]
+    real, fed = sum(config["real_tokens_per_batch"]), sum(config["padded_tokens_per_batch"])
+    assert config["real_tokens_per_step"] == round(real / len(raw), 1)
+    assert config["padded_tokens_per_step"] == round(fed / len(raw), 1)
+    assert config["padding_fraction"] == round(1 - real / fed, 4) and 0 < config["padding_fraction"] < 1
+    assert config["rows_independent_measured"] is None and config["right_padding_exact_measured"] is None
+    assert config["tokens_per_step"] == GPT_TOKENS and "padded_inputs" in config
+    one = peer.run_config(meta, raw, str(out), double_buffer="off", lengths_device="cpu", steps=2, warmup=2,
+                          pad_multiple=1)
+    assert one["shapes_per_batch"] == [[len(p["lengths"]), p["longest"]] for p in layouts]
+    qmeta = exported[1]
+    _, qraw = peer.read_export(str(exported[0]))
+    q = peer.run_config(qmeta, qraw, str(exported[0]), double_buffer="on", lengths_device="cpu", steps=2, warmup=2)
+    assert q["layout"] == "packed" and q["padded_tokens_per_step"] == TOKENS and "pad_to_multiple_of" not in q
+    assert q["real_tokens_per_step"] == round(sum(TOKENS - sum(b["pad_lengths"]) for b in qraw) / len(qraw), 1)
