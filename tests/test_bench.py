@@ -131,8 +131,10 @@ def test_every_step_time_gets_tokens_per_second_and_model_flops():
     batches = benchmark_batches(tokens_per_step=128, row_tokens=128, steps=2, vocab_size=model.config.vocab_size,
                                 mix="short")
     rows = run_variants(model, batches, [Variant("plain")], steps=1, warmup=0, progress=False, count_syncs=False)
-    tokens = sum(sum(r) for r in batches[0].seq_lengths)
-    flops = sum(step_flops(model.config, b.seq_lengths)["flops"] for b in batches) / 2
+    assert any(b.pad_lengths[0] for b in batches)                # a padding tail: neither tokens nor model FLOPs
+    tokens = sum(b.num_real_tokens for b in batches) / 2
+    real = [[list(r[:-1]) if p else list(r) for r, p in zip(b.seq_lengths, b.pad_lengths)] for b in batches]
+    flops = sum(step_flops(model.config, sl)["flops"] for sl in real) / 2
     r = rows[0]
     assert r["tokens_per_s"] == round(tokens / (r["step_ms"]["median"] / 1e3), 1)
     assert r["flops_per_step"] == flops and r["mfu"] is None      # a CPU: no known peak, no MFU claimed

@@ -249,7 +249,9 @@ def add_throughput(rows: list[dict], model: nn.Module, batches: Sequence[PackedB
     for a forward) over the GPU's dense bf16 peak (None where the GPU's peak is not known, e.g. on a CPU)."""
     try:
         config = base_model(model).config
-        lengths = [b.seq_lengths for b in batches]
+        # each row's padding tail (its last segment when pad_lengths says so) is neither a token nor model FLOPs
+        lengths = [[list(row[:-1]) if pad else list(row) for row, pad in zip(b.seq_lengths, b.pad_lengths)]
+                   for b in batches]
         tokens = sum(sum(sum(r) for r in sl) for sl in lengths) / len(lengths)
         flops = sum(batch_flops(config, sl, mode) for sl in lengths) / len(lengths)
     except (AttributeError, TypeError):  # not a decoder LM config the FLOP count knows: no MFU, say nothing false
