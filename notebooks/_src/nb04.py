@@ -168,7 +168,10 @@ for doc in combined:
 Unsloth runs in a process of its own (it patches transformers at import) on the same architecture saved as a
 random-weight checkpoint, the same packed batches and the same LoRA settings, with its own packing and its
 offloaded checkpointing, double buffer on and off (`benchmarks/unsloth_peer.py`). Without flash-attn or xFormers
-on this torch its packed SDPA attends segment by segment.
+on this torch its packed SDPA attends segment by segment. On GPT-OSS, Unsloth cannot keep packed sequences apart:
+its flex attention with sinks is causal over the whole row, and its trainer blocklists padding-free packing for
+`gpt_oss`. So the GPT-OSS peer feeds it the same sequences, one per right-padded row, as its users train; on the
+realistic mix, 34–69% of each padded step is padding.
 '''),
 ("code", r'''
 peer, same = results.peer_results()      # both sides from the peer's own session (same GPU, day and batches)
