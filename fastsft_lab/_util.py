@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 
@@ -23,3 +24,25 @@ def quantile(sorted_values: Sequence[float], p: float) -> float:
     lo = int(x)
     hi = min(lo + 1, len(sorted_values) - 1)
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (x - lo)
+
+
+class KernelSwitch:
+    """On/off for one family of fused Triton kernels: on unless the environment variable ``env`` says
+    0/false/no/off, switchable at run time; they run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``
+    (the tests' way of running a kernel without a GPU)."""
+
+    _OFF = ("0", "false", "no", "off")
+
+    def __init__(self, env: str):
+        self.env = env
+        self.on = os.environ.get(env, "1").strip().lower() not in self._OFF
+
+    def set(self, enabled: bool) -> bool:
+        """Turn the kernels on or off; returns the old setting."""
+        old, self.on = self.on, bool(enabled)
+        return old
+
+    def runs_on(self, t, have_triton: bool) -> bool:
+        """Whether the kernels run on tensor ``t``: switched on, triton importable, and a CUDA tensor (or a CPU one
+        under the interpreter)."""
+        return self.on and have_triton and (t.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")

@@ -35,7 +35,6 @@ removes the instance attribute.
 
 from __future__ import annotations
 
-import os
 import sys
 from types import MethodType
 
@@ -43,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._util import KernelSwitch
 from .model_state import ModelState, register_state_reader, state
 from .models import base_model
 
@@ -68,7 +68,7 @@ def _eager_chunk(logits: torch.Tensor, target: torch.Tensor, grad_dtype: torch.d
     return loss, g.to(grad_dtype)
 
 
-_FUSED_CE = [os.environ.get("FASTSFT_FUSED_CE", "1").strip().lower() not in ("0", "false", "no", "off")]
+_FUSED_CE = KernelSwitch("FASTSFT_FUSED_CE")
 
 try:  # Triton ships with CUDA builds of PyTorch; TRITON_INTERPRET=1 runs the kernel on CPU tensors (tests)
     import triton
@@ -113,15 +113,13 @@ _CE_WARPS = 8
 
 def fused_ce_available(t: torch.Tensor) -> bool:
     """Whether the fused cross-entropy kernel runs on ``t`` (CUDA + triton, and not switched off)."""
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    return _FUSED_CE[0] and _HAS_TRITON and (t.device.type == "cuda" or interpret)
+    return _FUSED_CE.runs_on(t, _HAS_TRITON)
 
 
 def set_fused_ce(enabled: bool) -> bool:
     """Turn the fused cross-entropy kernel of :func:`linear_cross_entropy` on or off (env ``FASTSFT_FUSED_CE``; off
     runs :func:`_eager_chunk`, about eight passes over a float32 copy of each chunk's logits); returns the old."""
-    old, _FUSED_CE[0] = _FUSED_CE[0], bool(enabled)
-    return old
+    return _FUSED_CE.set(enabled)
 
 
 def _fused_chunk(logits: torch.Tensor, target: torch.Tensor, grad: bool, block: int = _CE_BLOCK):

@@ -213,7 +213,7 @@ def test_fused_ce_switch_and_env():
     finally:
         L.set_fused_ce(old)
     env = dict(os.environ, FASTSFT_FUSED_CE="0")
-    run = subprocess.run([sys.executable, "-c", "from fastsft_lab import loss; print(loss._FUSED_CE[0])"], env=env,
+    run = subprocess.run([sys.executable, "-c", "from fastsft_lab import loss; print(loss._FUSED_CE.on)"], env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.stdout.strip() == "False", run.stderr[-2000:]
 

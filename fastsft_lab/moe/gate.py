@@ -3,10 +3,10 @@ and one fused Triton kernel each way on CUDA."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
+
+from .._util import KernelSwitch
 
 
 def is_gpt_oss_gate(module: nn.Module) -> bool:
@@ -34,7 +34,7 @@ def eager_gpt_oss_glu(gate_up: torch.Tensor, alpha: float, limit: float) -> torc
 # registers and only the (S, I) operand goes through shared memory (a layout change, 8 KiB per program). Loading
 # the halves as two stride-2 streams instead compiled to 2-byte scalar loads (and stores in the backward) and ran the
 # GPT-OSS gate at 1.4-1.9 TB/s on an H200 against ~4.8 TB/s of HBM.
-_FUSED_GLU = [os.environ.get("FASTSFT_MOE_FUSED_GLU", "1").strip().lower() not in ("0", "false", "no", "off")]
+_FUSED_GLU = KernelSwitch("FASTSFT_MOE_FUSED_GLU")
 
 try:  # Triton ships with CUDA builds of PyTorch; TRITON_INTERPRET=1 runs these kernels on CPU tensors (tests)
     import triton
@@ -202,15 +202,13 @@ class _FusedSwiGLU(torch.autograd.Function):
 
 def fused_glu_available(t: torch.Tensor) -> bool:
     """Whether the fused Triton gates run on ``t`` (CUDA + triton, and not switched off)."""
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    return _FUSED_GLU[0] and _HAS_TRITON and (t.device.type == "cuda" or interpret)
+    return _FUSED_GLU.runs_on(t, _HAS_TRITON)
 
 
 def set_fused_glu(enabled: bool) -> bool:
     """Turn the fused Triton gates of ``sync_free`` (GPT-OSS's GLU, the SiLU gate) on/off (env
     ``FASTSFT_MOE_FUSED_GLU``); returns the old setting."""
-    old, _FUSED_GLU[0] = _FUSED_GLU[0], bool(enabled)
-    return old
+    return _FUSED_GLU.set(enabled)
 
 
 def gpt_oss_glu(gate_up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0, *, bias: torch.Tensor | None = None,

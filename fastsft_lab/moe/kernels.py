@@ -18,11 +18,11 @@ The summation order over the k slots is fixed (deterministic, no atomics).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-_FUSED_COMBINE = [os.environ.get("FASTSFT_MOE_FUSED_COMBINE", "1").strip().lower() not in ("0", "false", "no", "off")]
+from .._util import KernelSwitch, pow2_ceil
+
+_FUSED_COMBINE = KernelSwitch("FASTSFT_MOE_FUSED_COMBINE")
 
 try:  # Triton ships with CUDA builds of PyTorch
     import triton
@@ -85,20 +85,14 @@ _BLOCK_H = 1024      # columns per program of the row kernels
 _DOT_BLOCK_H = 256   # columns per iteration of the row-dot kernel (a (k, 256) float32 tile)
 
 
-def _pow2(k: int) -> int:
-    return 1 << max(0, (int(k) - 1).bit_length())
-
-
 def fused_combine_available(t: torch.Tensor) -> bool:
     """Whether the fused combine and token-gather kernels run on ``t`` (CUDA + triton, and not switched off)."""
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    return _FUSED_COMBINE[0] and _HAS_TRITON and (t.device.type == "cuda" or interpret)
+    return _FUSED_COMBINE.runs_on(t, _HAS_TRITON)
 
 
 def set_fused_combine(enabled: bool) -> bool:
     """Turn the fused combine / token-gather kernels on or off (env ``FASTSFT_MOE_FUSED_COMBINE``); returns the old."""
-    old, _FUSED_COMBINE[0] = _FUSED_COMBINE[0], bool(enabled)
-    return old
+    return _FUSED_COMBINE.set(enabled)
 
 
 def gather_sum(src: torch.Tensor, index: torch.Tensor, k: int, weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -110,7 +104,7 @@ def gather_sum(src: torch.Tensor, index: torch.Tensor, k: int, weights: torch.Te
     if num_tokens and hidden:
         w = weights.contiguous() if weights is not None else src
         _gather_sum_kernel[(num_tokens, triton.cdiv(hidden, _BLOCK_H))](
-            src, index, w, out, hidden, K=k, KP=_pow2(k), HAS_W=weights is not None, BLOCK_H=_BLOCK_H)
+            src, index, w, out, hidden, K=k, KP=pow2_ceil(k), HAS_W=weights is not None, BLOCK_H=_BLOCK_H)
     return out
 
 
@@ -141,7 +135,7 @@ class FusedCombine(torch.autograd.Function):
         if ctx.needs_input_grad[3]:
             grad_w = torch.empty_like(weights)
             if num_tokens:
-                _row_dots_kernel[(num_tokens,)](grad, y_sorted, inv, grad_w, hidden, K=k, KP=_pow2(k),
+                _row_dots_kernel[(num_tokens,)](grad, y_sorted, inv, grad_w, hidden, K=k, KP=pow2_ceil(k),
                                                 BLOCK_H=_DOT_BLOCK_H)
         return grad_y, None, None, grad_w
 
