@@ -84,9 +84,17 @@ def device_profile(device: torch.device | str | None = None) -> DeviceProfile:
                          torch.bfloat16 if sm80 else torch.float16, sm80)
 
 
-def _version(module: str) -> str | None:
+def package_version(name: str) -> str | None:
+    """The installed version of package ``name``: its distribution metadata (no import; for packages without
+    ``__version__`` such as liger-kernel), else the imported module's ``__version__``; None when it is absent."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        mod = importlib.import_module(module)
+        return version(name)
+    except PackageNotFoundError:
+        pass
+    try:
+        mod = importlib.import_module(name.replace("-", "_"))
     except Exception:  # noqa: BLE001 - a broken optional package must not break the stamp
         return None
     return getattr(mod, "__version__", "unknown")
@@ -109,10 +117,10 @@ def environment(device: torch.device | str | None = None) -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "transformers": _version("transformers"),
-        "peft": _version("peft"),
-        "bitsandbytes": _version("bitsandbytes"),
-        "trl": _version("trl"),
+        "transformers": package_version("transformers"),
+        "peft": package_version("peft"),
+        "bitsandbytes": package_version("bitsandbytes"),
+        "trl": package_version("trl"),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     if device.type == "cuda":

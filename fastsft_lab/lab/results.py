@@ -261,8 +261,7 @@ def breakdown_results(root=None, device_type: str | None = "cuda") -> list[dict]
                                        d["config"].get("kernels") != "none", d["config"].get("autocast", "none") != "none"))
 
 
-__all__ = ["all_results", "load_results", "run_of", "newest_per_config", "describe_run", "build_index", "peer_results",
-           "write_index", "offload_results", "packed_regime", "step_spread", "unsettled", "UNSETTLED_SPREAD",
-           "repo_results_dir", "INDEX"]
-__all__.append("breakdown_results")
-__all__ += ["experts_profile", "experts_profile_rows", "combined_results"]
+__all__ = ["all_results", "load_results", "run_of", "newest_per_config", "describe_run", "build_index", "write_index",
+           "repo_results_dir", "INDEX", "step_spread", "unsettled", "UNSETTLED_SPREAD", "offload_results",
+           "packed_regime", "combined_results", "peer_results", "experts_profile", "experts_profile_rows",
+           "breakdown_results"]

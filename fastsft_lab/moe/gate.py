@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._util import KernelSwitch
+from .._util import KernelSwitch, pow2_ceil
 
 
 def is_gpt_oss_gate(module: nn.Module) -> bool:
@@ -125,7 +125,7 @@ _GATE_WARPS = 8
 
 def _gate_grid(rows: int, inter: int) -> tuple[tuple[int, int], int, int]:
     """(grid, BLOCK_R, BLOCK_C) of the gate kernels for an (rows, 2 * inter) gate_up."""
-    block_c = min(_GATE_MAX_COLS, 1 << max(0, (inter - 1).bit_length()))
+    block_c = min(_GATE_MAX_COLS, pow2_ceil(inter))
     while block_c > 256 and 8 * (-(-inter // block_c) * block_c - inter) > inter:  # > 1/8 of the row padded
         block_c //= 2
     block_r = max(1, _GATE_TILE // block_c)

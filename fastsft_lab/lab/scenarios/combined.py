@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ...data import benchmark_batches
-from ...env import environment
+from ...env import environment, package_version
 from ...lora import enable_fused_lora, fused_lora_targets
 from ...loss import enable_fused_loss
 from ...models import LoraSettings, base_model, build_model, decoder_layers, get_preset
@@ -43,15 +43,6 @@ from ..flops import peak_flops
 from ..harness import AUTOCAST, Variant, format_table, make_result, run_variants, with_autocast, write_json
 from ..plots import plot_waterfall, save_figure
 from ..scenario import OptionError, Scenario, option
-
-def _version(dist: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return "unknown"
-
 
 def build_combined_model(preset, *, num_layers: int | None, lora_rank: int, device: torch.device) -> nn.Module:
     """The model the combined scenario (and the breakdown) measures: NF4 for the real Qwen3, LoRA on every
@@ -88,18 +79,25 @@ def _reset(model: nn.Module, is_moe: bool) -> None:
     _configure(model, moe="stock" if is_moe else None)
 
 
+_COMPILED = "_fastsft_compiled_call"
+
+
 def compile_layers(model: nn.Module) -> int:
     """Compile every decoder layer in place (``nn.Module.compile``: a regional compile, as Unsloth does); packed
-    attention stays eager (the registry wraps it in ``torch.compiler.disable``). Returns the number of layers.
+    attention stays eager (the registry wraps it in ``torch.compiler.disable``). Each layer's compiled callable is
+    made once and kept, so switching back on (every interleaved step) builds nothing. Returns the number of layers.
     Undone by :func:`uncompile_layers`."""
     layers = decoder_layers(model)
     for layer in layers:
-        layer.compile()
+        if _COMPILED not in layer.__dict__:
+            layer.compile()
+            layer.__dict__[_COMPILED] = layer._compiled_call_impl
+        layer._compiled_call_impl = layer.__dict__[_COMPILED]   # what nn.Module.compile sets and __call__ reads
     return len(layers)
 
 
 def uncompile_layers(model: nn.Module) -> None:
-    """The decoder layers back to their eager forward (what :func:`compile_layers` changed, and only that)."""
+    """The decoder layers back to their eager forward (the compiled callables are kept for the next switch-on)."""
     for layer in decoder_layers(model):
         layer._compiled_call_impl = None
 
@@ -198,7 +196,7 @@ def apply_liger(model: nn.Module, family: str) -> dict:
     if fused_lora_targets(model):
         enable_fused_lora(model)
         detail += " + fastsft fused LoRA"
-    return {"liger_kernel": _version("liger-kernel"), "kernels_detail": detail}
+    return {"liger_kernel": package_version("liger-kernel") or "unknown", "kernels_detail": detail}
 
 
 # --- the scenario ---------------------------------------------------------------------------------------------------
