@@ -1,6 +1,8 @@
 """Shared test configuration: `cuda` tests run only where CUDA exists; tests are deterministic."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -35,3 +37,17 @@ def one_cpu_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def interpreted():
+    """``interpreted(script, timeout)``: run a check script of Triton kernels on CPU tensors (it sets
+    ``TRITON_INTERPRET=1`` before importing triton) in a fresh process, and require that it printed ``ok``. Skipped
+    where triton is not installed (CI; ``make mutants`` installs it)."""
+    pytest.importorskip("triton")
+
+    def run(script: str, timeout: int = 300) -> None:
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+    return run

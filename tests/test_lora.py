@@ -27,9 +27,14 @@ def _peft_linear(*, dropout=0.0, adapters=("default",), dtype=torch.float32, use
     model = get_peft_model(base, cfg, adapter_name=adapters[0])
     for name in adapters[1:]:
         model.add_adapter(name, LoraConfig(r=3, lora_alpha=3, target_modules=["0", "1"]))
+    return _draw_lora_b(model, 0.1)
+
+
+def _draw_lora_b(model, std):
+    """LoRA B away from its zero init, so that the adapters change the output and get a gradient path."""
     for n, p in model.named_parameters():
         if "lora_B" in n:
-            nn.init.normal_(p, std=0.1)
+            nn.init.normal_(p, std=std)
     return model
 
 
@@ -81,11 +86,8 @@ def test_several_active_adapters_merged_and_disabled():
 
 
 def test_nf4_model_equals_peft_and_trains_with_every_switch_on():
-    model = build_model("tiny-qwen3", device="cpu", dtype=torch.float32, quant="nf4", lora=LoraSettings(rank=4),
-                        gradient_checkpointing=True)
-    for n, p in model.named_parameters():
-        if "lora_B" in n:
-            nn.init.normal_(p, std=0.05)
+    model = _draw_lora_b(build_model("tiny-qwen3", device="cpu", dtype=torch.float32, quant="nf4",
+                                     lora=LoraSettings(rank=4), gradient_checkpointing=True), 0.05)
     kinds = {type(m).__name__ for _, m in lora.fused_lora_targets(model)}
     assert "Linear4bit" in kinds, kinds
     batch = benchmark_batches(tokens_per_step=128, steps=1, vocab_size=model.config.vocab_size, mix="short")[0]
@@ -182,11 +184,8 @@ def test_refuses_dora_and_lora_bias_and_models_without_lora():
 
 @pytest.mark.cuda
 def test_cuda_nf4_fused_lora_matches_peft_under_autocast():
-    model = build_model("tiny-qwen3", device="cuda", dtype=torch.bfloat16, quant="nf4", lora=LoraSettings(rank=8),
-                        gradient_checkpointing=True)
-    for n, p in model.named_parameters():
-        if "lora_B" in n:
-            nn.init.normal_(p, std=0.05)
+    model = _draw_lora_b(build_model("tiny-qwen3", device="cuda", dtype=torch.bfloat16, quant="nf4",
+                                     lora=LoraSettings(rank=8), gradient_checkpointing=True), 0.05)
     batch = benchmark_batches(tokens_per_step=512, steps=1, vocab_size=model.config.vocab_size, mix="short")[0]
     batch = batch.to("cuda")
 

@@ -116,14 +116,19 @@ def test_percentiles_equal_the_harness(values):
             assert ours[key] == theirs[key], key
 
 
+def _run_without_unsloth(folder, result, *flags):
+    """``unsloth_peer.py run`` in a subprocess as if unsloth were not installed, whatever this environment holds
+    (``import unsloth`` raises ModuleNotFoundError)."""
+    argv = ["unsloth_peer.py", "run", "--dir", str(folder), "--out", str(result), *flags]
+    code = (f"import runpy, sys; sys.modules['unsloth'] = None; sys.argv = {argv!r}; "
+            f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
 def test_run_without_unsloth_fails_with_one_line_and_an_error_result(exported, tmp_path):
     out, _ = exported
     result = tmp_path / "r.json"
-    # As if unsloth were not installed, whatever this environment holds: `import unsloth` raises ModuleNotFoundError.
-    code = (f"import runpy, sys; sys.modules['unsloth'] = None; "
-            f"sys.argv = ['unsloth_peer.py', 'run', '--dir', {str(out)!r}, '--out', {str(result)!r}, "
-            f"'--double-buffer', 'off']; runpy.run_path({str(SCRIPT)!r}, run_name='__main__')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = _run_without_unsloth(out, result, "--double-buffer", "off")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -269,10 +274,7 @@ def test_gpt_oss_run_config_and_error_result(exported_gpt_oss, tmp_path):
 def test_gpt_oss_run_without_unsloth_writes_the_gpt_oss_config(exported_gpt_oss, tmp_path):
     out, _ = exported_gpt_oss
     result = tmp_path / "r.json"
-    code = (f"import runpy, sys; sys.modules['unsloth'] = None; "
-            f"sys.argv = ['unsloth_peer.py', 'run', '--dir', {str(out)!r}, '--out', {str(result)!r}]; "
-            f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = _run_without_unsloth(out, result)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     doc = json.loads(result.read_text())
     assert doc["stage"] == "import unsloth" and doc["config"]["family"] == "gpt_oss"
