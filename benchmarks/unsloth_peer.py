@@ -676,10 +676,6 @@ def labelled_pairs_packed(batch: dict) -> list[tuple[int, int, int]]:
     position and target lie in different segments is returned with position -1 (it must not exist)."""
     out, seq = [], 0
     for r, (lens, pad) in enumerate(zip(batch["seq_lengths"], batch["pad_lengths"])):
-        starts, k = [], 0
-        for n in lens:
-            starts.append(k)
-            k += n
         spans = real_segments(lens, pad)
         row_labels = batch["labels"][r]
         for t in range(len(row_labels) - 1):
