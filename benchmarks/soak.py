@@ -185,11 +185,14 @@ def _two_buffer_trial(run: Run, steps: int, cap: int | None) -> dict:
 
 
 def fallback(run: Run, steps: int) -> dict:
-    """Offload x1, then all fast (x2) under allocator caps stepped down from the x1 run's peak *reserved* bytes in
-    half staging buffers, until the second buffer's allocation fails and the manager falls back to one buffer (the
-    losses must then equal the x1 run's) or an allocation outside the staging buffers fails first (the cap is then
-    below what one buffer needs: recorded, and the search stops). A cap on reserved memory alone cannot force it
-    when the pool's free blocks hold the second buffer; stepping down finds the cap where they no longer do."""
+    """Offload x1, then all fast (x2) under allocator caps stepped down in half staging buffers, until the second
+    buffer's allocation fails and the manager falls back to one buffer (the losses must then equal the x1 run's) or
+    an allocation outside the staging buffers fails first (recorded; the search stops). Two starting points, each
+    tried in turn: the x1 run's peak *reserved* bytes (from half a buffer above), then the uncapped x2 run's own
+    peak (from half a buffer below: on the H200 the x2 step's other allocations already needed more than the x1
+    peak plus half a buffer, so the first search hit an out-of-memory outside the buffers at once). A cap on
+    reserved memory alone cannot force it when the pool's free blocks hold the second buffer; stepping down finds
+    the cap where they no longer do."""
     one = run.train(dict(FAST, offload_buffers=1, prefetch=False), steps)
     out = {"scenario": "offload_fallback", "steps": steps, "losses_x1": one, "trials": []}
     if run.device.type != "cuda":
@@ -203,12 +206,21 @@ def fallback(run: Run, steps: int) -> dict:
         peak = torch.cuda.max_memory_reserved()
         staging = run.batches[0].num_tokens * run.model.config.hidden_size * 2   # one layer input in bf16
         out.update(peak_reserved_x1=peak, peak_allocated_x1=torch.cuda.max_memory_allocated(), staging_bytes=staging)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        run.train(FAST, 2)
+        peak2 = torch.cuda.max_memory_reserved()
+        out.update(peak_reserved_x2=peak2, peak_allocated_x2=torch.cuda.max_memory_allocated())
         trial = {}
-        for j in range(1, -9, -1):                                  # peak + staging/2 down to peak - 4 staging
-            trial = _two_buffer_trial(run, steps, peak + j * staging // 2)
-            trial["cap_minus_peak_reserved_x1"] = j * staging // 2
-            out["trials"].append({k: v for k, v in trial.items() if k != "losses"})
-            if trial.get("fallbacks") or "error" in trial:
+        for base, name, steps_down in ((peak, "x1", range(1, -9, -1)), (peak2, "x2", range(-1, -9, -1))):
+            for j in steps_down:          # x1: peak + staging/2 down to peak - 4 staging; x2: from peak - staging/2
+                trial = _two_buffer_trial(run, steps, base + j * staging // 2)
+                trial[f"cap_minus_peak_reserved_{name}"] = j * staging // 2
+                out["trials"].append({k: v for k, v in trial.items() if k != "losses"})
+                if trial.get("fallbacks") or "error" in trial:
+                    break
+            if trial.get("fallbacks") and "error" not in trial:
                 break
     fired = trial.get("fallbacks", 0) > 0 and "error" not in trial
     out["fallbacks"] = trial.get("fallbacks", 0)

@@ -83,3 +83,16 @@ def _check(preset, backend, dtype, device):
     finally:
         uncompile_layers(model)
         torch._dynamo.reset()
+
+
+def test_packed_metadata_is_a_plain_object_to_dynamo():
+    """A frozen dataclass passed into a compiled region is a constant to torch 2.11's dynamo: it builds every field
+    and guards on it (the segment count, the cached device tensors), and a compiled decoder layer then recompiled
+    for every batch until it hit the recompile limit (seen on the H200). PackedMetadata is read-only without being
+    a frozen dataclass, so dynamo sees a plain object and guards on its type only."""
+    from torch._dynamo.utils import is_frozen_dataclass
+
+    from fastsft_lab.packing import PackedMetadata
+
+    meta = PackedMetadata.from_lengths([[3, 5, 2]])
+    assert not is_frozen_dataclass(meta)

@@ -6,6 +6,7 @@ GPT-OSS): packed logits and LoRA gradients must equal it, on every backend that 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pickle
@@ -523,8 +524,10 @@ def test_invalid_lengths_raise_clear_errors(lengths, row_tokens, match):
 def test_metadata_is_immutable_and_cannot_go_stale():
     lengths = [[3, 5, 2]]
     meta = PackedMetadata.from_lengths(lengths)
-    with pytest.raises(Exception):  # dataclasses.FrozenInstanceError
+    with pytest.raises(dataclasses.FrozenInstanceError, match="read-only"):
         meta.seq_lengths = ((10,),)
+    with pytest.raises(dataclasses.FrozenInstanceError, match="read-only"):
+        del meta.lengths
     lengths[0][0] = 9  # the caller's list changes; the metadata copied it into tuples
     assert meta.seq_lengths == ((3, 5, 2),)
     mask = S.dense_mask(meta, "cpu", torch.float32)

@@ -168,7 +168,10 @@ def sync_free_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
         if self.has_bias:
             # Per-row bias of the row's expert = one_hot(expert) @ bias: one GEMM over (S, E) x (E, 2I) that reads
             # and writes gate_up once, instead of gathering an (S, 2I) bias tensor and adding it.
-            one_hot = gate_up.new_zeros(sorted_ids.numel(), num_experts).scatter_(1, sorted_ids.unsqueeze(1), 1.0)
+            # (A comparison, not scatter_(..., 1.0): torch 2.11's inductor lowers that scatter to a float32 tensor
+            # in a bf16 graph, and the addmm then fails on mixed dtypes inside a compiled layer.)
+            experts = torch.arange(num_experts, device=sorted_ids.device, dtype=sorted_ids.dtype)
+            one_hot = (sorted_ids.unsqueeze(1) == experts).to(gate_up.dtype)
             gate_up = torch.addmm(gate_up, one_hot, self.gate_up_proj_bias.to(gate_up.dtype))
         if gpt_oss:
             act = gpt_oss_glu(gate_up, self.alpha, self.limit)  # fused Triton kernel on CUDA

@@ -7,8 +7,12 @@ depending on the kernel, a dense block-diagonal causal mask, a flex ``BlockMask`
 :class:`PackedMetadata` holds the lengths as tuples of Python ints, so nothing is ever read back from the GPU.
 Device tensors are made lazily on first use with one pinned, non-blocking copy per device, and each backend's
 object is built once and cached under a key of what changes it (backend, device, dtype, window); the backends
-(``fastsft_lab.packing.backends``) say how to build them. The object is frozen: editing a batch's tensors in place
-cannot serve a stale mask (a cache keyed on a tensor's identity can).
+(``fastsft_lab.packing.backends``) say how to build them. The object is read-only (assigning a field raises
+``dataclasses.FrozenInstanceError``): editing a batch's tensors in place cannot serve a stale mask (a cache keyed on
+a tensor's identity can). It is not a ``frozen=True`` dataclass on purpose: torch.compile (torch 2.11) treats a
+frozen dataclass passed into a compiled region as a constant and guards on every field -- the segment count, the
+cached device tensors -- so a compiled decoder layer recompiled for every batch; a plain object passed through to
+the (compile-disabled) attention gets a type check only.
 
 Off the critical path: :func:`fastsft_lab.packing.prebuild_metadata` (what ``PackedCollator(prebuild=...)`` calls in
 a DataLoader worker) builds the host side of everything the layers will need -- cu_seqlens, segment and position
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import FrozenInstanceError, dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -104,7 +108,7 @@ class DeviceTensors:
     position_ids: torch.Tensor  # (rows, row_tokens) int64: position inside its segment
 
 
-@dataclass(frozen=True, eq=False, repr=False)
+@dataclass(init=False, eq=False, repr=False)
 class PackedMetadata:
     """Attention metadata of one packed batch, computed on the host, moved to devices lazily.
 
@@ -140,6 +144,13 @@ class PackedMetadata:
     _host: dict = field(init=False, repr=False)       # prebuilt host parts: key -> CPU tensor(s) (see put_host)
     builds: Counter = field(init=False, repr=False)   # backend objects built, per kind (tests count them)
 
+    def __init__(self, seq_lengths: Sequence[Sequence[int]], row_tokens: int,
+                 pad_lengths: Sequence[int] | None = None) -> None:
+        object.__setattr__(self, "seq_lengths", seq_lengths)
+        object.__setattr__(self, "row_tokens", row_tokens)
+        object.__setattr__(self, "pad_lengths", pad_lengths)
+        self.__post_init__()
+
     def __post_init__(self) -> None:
         rows, row_tokens = normalize_row_lengths(self.seq_lengths, self.row_tokens)
         lengths = tuple(x for row in rows for x in row)
@@ -165,6 +176,13 @@ class PackedMetadata:
         object.__setattr__(self, "_cache", {})
         object.__setattr__(self, "_host", {})
         object.__setattr__(self, "builds", Counter())
+
+    # Read-only without ``frozen=True`` (see the module docstring: a frozen dataclass is a constant to dynamo).
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise FrozenInstanceError(f"PackedMetadata is read-only: cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"PackedMetadata is read-only: cannot delete field {name!r}")
 
     # -- constructors
     @classmethod
