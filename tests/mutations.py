@@ -30,9 +30,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class Mutation:
     name: str
     path: str           # relative to the repository root
-    old: str
-    new: str
+    old: str | tuple    # one text, or several (each replaced by the matching entry of ``new``)
+    new: str | tuple
     tests: tuple        # pytest arguments (files, -k expressions)
+
+    def edits(self) -> list[tuple[str, str]]:
+        return list(zip(self.old, self.new)) if isinstance(self.old, tuple) else [(self.old, self.new)]
 
 
 P = "fastsft_lab/packing/"
@@ -161,6 +164,17 @@ MUTATIONS = [
     Mutation("grouped-mm-traced-in-float32", "fastsft_lab/moe/matmul.py",
              "if torch.compiler.is_compiling() and (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16):",
              "if False:", ("tests/test_compiled_layers.py", "-k", "gpt")),
+    Mutation("packed-metadata-a-frozen-dataclass", P + "metadata.py",
+             ("@dataclass(init=False, eq=False, repr=False)\nclass PackedMetadata:",
+              "    def __setattr__(self, name: str, value: Any) -> None:\n",
+              "    def __delattr__(self, name: str) -> None:\n"),
+             ("@dataclass(init=False, eq=False, repr=False, frozen=True)\nclass PackedMetadata:",
+              "    def _unused_setattr(self, name: str, value: Any) -> None:\n",
+              "    def _unused_delattr(self, name: str) -> None:\n"),
+             ("tests/test_compiled_layers.py", "-k", "plain_object")),
+    Mutation("moe-bias-one-hot-off-by-one", M + "experts.py",
+             "one_hot = (sorted_ids.unsqueeze(1) == experts).to(gate_up.dtype)",
+             "one_hot = (sorted_ids.unsqueeze(1) == (experts + 1) % num_experts).to(gate_up.dtype)", (TM,)),
 ]
 
 
@@ -168,12 +182,14 @@ def _apply(root: str, m: Mutation) -> None:
     path = os.path.join(root, m.path)
     with open(path) as f:
         text = f.read()
-    count = text.count(m.old)
-    if count != 1:
-        raise SystemExit(f"mutation {m.name}: its text occurs {count} times in {m.path} (expected once): update "
-                         "tests/mutations.py to follow the code")
+    for old, new in m.edits():
+        count = text.count(old)
+        if count != 1:
+            raise SystemExit(f"mutation {m.name}: its text occurs {count} times in {m.path} (expected once): update "
+                             "tests/mutations.py to follow the code")
+        text = text.replace(old, new)
     with open(path, "w") as f:
-        f.write(text.replace(m.old, m.new))
+        f.write(text)
 
 
 def main(argv=None) -> int:
@@ -199,7 +215,8 @@ def main(argv=None) -> int:
                             ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "data"))
         for m in todo:                               # every mutation's text must be there before anything runs
             with open(os.path.join(work, m.path)) as f:
-                if f.read().count(m.old) != 1:
+                text = f.read()
+                if any(text.count(old) != 1 for old, _ in m.edits()):
                     _apply(work, m)                  # raises with the explanation
         env = dict(os.environ, PYTHONPATH=work, SMOKE="1", MPLBACKEND="Agg")
         rows, t0 = [], time.time()

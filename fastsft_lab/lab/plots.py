@@ -571,6 +571,40 @@ def plot_experts_profile(doc: dict):
     return fig
 
 
+def peer_rows(peer: Sequence[dict], same: Sequence[dict]) -> list[tuple[str, float, int | None, int | None]]:
+    """One comparison of :func:`.results.peer_results` as rows ``(name, median step ms, peak bytes, host syncs)``:
+    the peer's runs first, then our transformers default / all naive / all fast per kernel floor."""
+    rows = [(v["name"], v["step_ms"]["median"], v.get("peak_mem_bytes"), v.get("host_syncs_per_step"))
+            for d in peer for v in d["variants"] if "step_ms" in v]
+    rows += [(f"fastsft {v['name']} ({d['config']['kernels']}, autocast {d['config'].get('autocast', 'none')})",
+              v["step_ms"]["median"], v.get("peak_mem_bytes"), v.get("host_syncs_per_step"))
+             for d in same for v in d["variants"]
+             if v["name"] in ("transformers default", "all naive", "all fast") and "step_ms" in v]
+    return rows
+
+
+def plot_peer(comparisons: Sequence[tuple[Sequence[dict], Sequence[dict]]]):
+    """Unsloth against our variants, one row of panels per model (:func:`.results.peer_results`): speed relative
+    to the peer's first run, and peak GPU memory. None when nothing was measured."""
+    charts = [(f"{p[0]['config'].get('model')} x{p[0]['config'].get('num_layers')}", peer_rows(p, s))
+              for p, s in comparisons]
+    charts = [(t, rows) for t, rows in charts if rows]
+    if not charts:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(len(charts), 2, figsize=(12, 3.2 * len(charts)), squeeze=False)
+    for (title, rows), (a1, a2) in zip(charts, axes):
+        names = [r[0] for r in rows]
+        a1.barh(names, [rows[0][1] / r[1] for r in rows], color=_BLUE)
+        a1.set_xlabel(f"speed vs {rows[0][0]} ({HIGHER})")
+        a1.set_title(f"{title} | {_where(comparisons[0][0][0])}", loc="left", fontsize=9)
+        a2.barh(names, [(r[2] or 0) / 2**30 for r in rows], color=_ORANGE)
+        a2.set_xlabel("peak GPU memory, GiB (lower is better)")
+        a2.set_yticklabels([])
+    fig.tight_layout()
+    return fig
+
+
 __all__ = ["save_figure", "plot_result", "plot_limit_gap", "plot_waterfall", "plot_regime", "plot_offload_result",
            "plot_across_tokens", "plot_sweep", "plot_timeline", "plot_timelines", "plot_host_device_timeline",
-           "plot_offload_link", "plot_breakdown", "BREAKDOWN_COLORS", "plot_experts_profile"]
+           "plot_offload_link", "plot_breakdown", "BREAKDOWN_COLORS", "plot_experts_profile", "peer_rows", "plot_peer"]

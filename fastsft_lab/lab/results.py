@@ -193,18 +193,23 @@ def combined_results(root=None, device_type: str = "cuda") -> list[dict]:
         d["config"].get("autocast", "none")))
 
 
-def peer_results(root=None, device_type: str = "cuda") -> tuple[list[dict], list[dict]]:
-    """The newest Unsloth peer run (``peer-unsloth`` documents) and our combined results from the *same* run folder
-    at its model, depth and tokens per step: both sides of the comparison from one session, on the same batches.
-    ``([], [])`` when no peer run was committed."""
-    peer = load_results("peer-unsloth", root=root, device_type=device_type, newest_run=True)
-    if not peer:
-        return [], []
-    c, run = peer[0]["config"], run_of(peer[0])
-    ours = [d for d in load_results("combined", root=root, device_type=device_type) if run_of(d) == run
-            and (d["config"]["model"], d["config"]["num_layers"], d["config"]["tokens_per_step"])
-            == (c.get("model"), c.get("num_layers"), c.get("tokens_per_step"))]
-    return peer, ours
+def peer_results(root=None, device_type: str = "cuda") -> list[tuple[list[dict], list[dict]]]:
+    """The newest Unsloth peer run, one comparison per model it ran: ``(peer, ours)``, where ``peer`` holds its
+    ``peer-unsloth`` documents at that model, depth and tokens per step, and ``ours`` our combined results from the
+    *same* run folder at that shape (the newest per kernel floor): both sides from one session, on the same
+    batches. ``[]`` when no peer run was committed."""
+    docs = load_results("peer-unsloth", root=root, device_type=device_type, newest_run=True)
+    if not docs:
+        return []
+    shape = lambda c: (c.get("model"), c.get("num_layers"), c.get("tokens_per_step"))   # noqa: E731
+    run = run_of(docs[0])
+    combined = [d for d in load_results("combined", root=root, device_type=device_type) if run_of(d) == run]
+    out = []
+    for key in dict.fromkeys(shape(d["config"]) for d in docs):
+        ours = newest_per_config([d for d in combined if shape(d["config"]) == key],
+                                 key=lambda d: (d["config"].get("kernels"), d["config"].get("autocast")))
+        out.append(([d for d in docs if shape(d["config"]) == key], ours))
+    return out
 
 
 def experts_profile(root=None, device_type: str = "cuda") -> dict | None:

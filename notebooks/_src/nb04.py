@@ -174,62 +174,51 @@ its flex attention with sinks is causal over the whole row, and its trainer bloc
 realistic mix, 34–69% of each padded step is padding.
 '''),
 ("code", r'''
-peer, same = results.peer_results()      # both sides from the peer's own session (same GPU, day and batches)
-if not peer:
+comparisons = results.peer_results()    # per model: both sides from the peer's own session (GPU, day, batches)
+if not comparisons:
     print("No committed Unsloth run yet (benchmarks/unsloth_peer.sh on the GPU machine).")
-rows = []
-for i, doc in enumerate(peer):
-    for v in doc["variants"]:
-        if "step_ms" in v:
-            rows.append((v["name"], v["step_ms"]["median"], v.get("peak_mem_bytes"), v.get("host_syncs_per_step")))
-        else:
-            print(f"{v['name']}: {v.get('error')}")
-    if i == 0:
-        print(f"[{results.describe_run(doc)}; {doc['config'].get('model')} x{doc['config'].get('num_layers')}, "
-              f"{doc['config'].get('tokens_per_step')} tokens]")
-for d in same:
-    for v in d["variants"]:
-        if v["name"] in ("transformers default", "all naive", "all fast") and "step_ms" in v:
-            rows.append((f"fastsft {v['name']} ({d['config']['kernels']}, autocast "
-                         f"{d['config'].get('autocast', 'none')})", v["step_ms"]["median"],
-                         v.get("peak_mem_bytes"), v.get("host_syncs_per_step")))
-for name, ms, peak, syncs in rows:
-    print(f"  {name:60s} {ms:8.1f} ms   {peak / 2**30 if peak else float('nan'):6.1f} GiB   syncs {syncs}")
-# who leads: the fastest peer run against our fastest all-fast run at the same shape
-peers = [v for d in peer for v in d["variants"] if "step_ms" in v]
-ours = [v for d in same for v in d["variants"] if v["name"] == "all fast" and "step_ms" in v]
-if peers and ours:
-    p, o = min(peers, key=lambda v: v["step_ms"]["median"]), min(ours, key=lambda v: v["step_ms"]["median"])
-    print(f"ours (all fast) vs {p['name']}: {p['step_ms']['median'] / o['step_ms']['median']:.2f}x the speed by medians "
-          f"({p['step_ms']['n']} and {o['step_ms']['n']} steps) at {o['peak_mem_bytes'] / p['peak_mem_bytes']:.2f}x "
-          f"the peak memory")
-    steps = p.get("samples_ms", {}).get("step")
-    if steps:
-        mean = sum(steps) / len(steps)
-        print(f"  by {p['name']}'s mean step ({mean:.1f} ms, what a run's wall clock pays): "
-              f"{mean / o['step_ms']['median']:.2f}x")
-    for who, v in (("peer", p), ("ours", o)):
-        parts = [v.get(k) for k in ("resident_mem_bytes", "forward_peak_mem_bytes", "peak_mem_bytes")]
-        if all(parts):
-            print(f"  {who} memory, resident -> after forward -> peak: "
-                  + " -> ".join(f"{b / 2**30:.2f}" for b in parts) + " GiB")
-# A median says little when the steps spread: print every measured step of each side.
-for doc in peer + same:
-    for v in doc["variants"]:
-        if results.unsettled(v):
-            steps = v.get("samples_ms", {}).get("step")
-            print(f"  note: {v['name']} spread {results.step_spread(v):.1f}x from p20 to p80 over {v['step_ms']['n']} steps"
-                  + (f" (steps, ms: {', '.join(f'{x:.0f}' for x in steps)})" if steps else "")
-                  + ": the medians above do not settle which is faster.")
-if rows:
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
-    names = [r[0] for r in rows]
-    a1.barh(names, [rows[0][1] / r[1] for r in rows], color="#4C72B0")
-    a1.set_xlabel(f"speed vs {rows[0][0]} (higher is better)")
-    a2.barh(names, [(r[2] or 0) / 2**30 for r in rows], color="#DD8452")
-    a2.set_xlabel("peak GPU memory, GiB (lower is better)")
-    a2.set_yticklabels([])
-    fig.tight_layout()
+for peer, same in comparisons:
+    c = peer[0]["config"]
+    print(f"== {c.get('model')} x{c.get('num_layers')}, {c.get('tokens_per_step')} tokens "
+          f"[{results.describe_run(peer[0])}]")
+    if c.get("layout") == "padded":
+        print(f"   Unsloth on padded rows: {c['padded_tokens_per_step']:.0f} tokens computed per step for "
+              f"{c['real_tokens_per_step']:.0f} real ones ({100 * c['padding_fraction']:.0f}% padding)")
+    for doc in peer:
+        for v in doc["variants"]:
+            if "step_ms" not in v:
+                print(f"{v['name']}: {v.get('error')}")
+    rows = plots.peer_rows(peer, same)
+    for name, ms, peak, syncs in rows:
+        print(f"  {name:60s} {ms:8.1f} ms   {peak / 2**30 if peak else float('nan'):6.1f} GiB   syncs {syncs}")
+    # who leads: the fastest peer run against our fastest all-fast run at the same shape
+    peers = [v for d in peer for v in d["variants"] if "step_ms" in v]
+    ours = [v for d in same for v in d["variants"] if v["name"] == "all fast" and "step_ms" in v]
+    if peers and ours:
+        p, o = min(peers, key=lambda v: v["step_ms"]["median"]), min(ours, key=lambda v: v["step_ms"]["median"])
+        print(f"  ours (all fast) vs {p['name']}: {p['step_ms']['median'] / o['step_ms']['median']:.2f}x the speed by "
+              f"medians ({p['step_ms']['n']} and {o['step_ms']['n']} steps) at "
+              f"{o['peak_mem_bytes'] / p['peak_mem_bytes']:.2f}x the peak memory")
+        steps = p.get("samples_ms", {}).get("step")
+        if steps:
+            mean = sum(steps) / len(steps)
+            print(f"  by {p['name']}'s mean step ({mean:.1f} ms, what a run's wall clock pays): "
+                  f"{mean / o['step_ms']['median']:.2f}x")
+        for who, v in (("peer", p), ("ours", o)):
+            parts = [v.get(k) for k in ("resident_mem_bytes", "forward_peak_mem_bytes", "peak_mem_bytes")]
+            if all(parts):
+                print(f"  {who} memory, resident -> after forward -> peak: "
+                      + " -> ".join(f"{b / 2**30:.2f}" for b in parts) + " GiB")
+    # A median says little when the steps spread: print every measured step of each side.
+    for doc in peer + same:
+        for v in doc["variants"]:
+            if results.unsettled(v):
+                steps = v.get("samples_ms", {}).get("step")
+                print(f"  note: {v['name']} spread {results.step_spread(v):.1f}x from p20 to p80 over "
+                      f"{v['step_ms']['n']} steps" + (f" (steps, ms: {', '.join(f'{x:.0f}' for x in steps)})" if steps
+                                                      else "") + ": the medians above do not settle which is faster.")
+fig = plots.plot_peer(comparisons)
+if fig is not None:
     display(fig); plt.close(fig)
 '''),
 ("md", r'''
