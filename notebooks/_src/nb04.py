@@ -370,10 +370,12 @@ display(fig); plt.close(fig)
   fused loss, fused LoRA, Liger's norms, SwiGLU and RoPE) the glue is a larger share of the step, as the published
   fixes assume. Run the step under `torch.autocast(bfloat16)` as `SFTTrainer(bf16=True)` does: without it PEFT
   computes QLoRA's float32 adapters in float32 (the breakdown's "LoRA" row without autocast).
-- The peer to beat is Unsloth; the cell above puts both on the same batches and says who leads, by medians and by
-  the peer's mean step. It is only as good as its spread: a peer still compiling in its measured steps needs a
-  longer run before a ratio means anything (the committed run has 50 steps per side). Where the all-fast step's
-  time goes (the breakdown above) is where the remaining gap must be found.
+- The peer to beat is Unsloth. The cell above puts both on the same batches and says who leads, by medians and by
+  the peer's mean step. A ratio is only as good as the spread of the steps: a peer still compiling in its measured
+  steps needs a longer run before the ratio means anything. At Qwen3-14B x8 the two are level by medians; the
+  matmul kernels take the same time, and the visible differences are Unsloth's NF4 dequantisation and its cuDNN
+  attention (README). On GPT-OSS-20B, Unsloth trains on padded rows, because it cannot keep packed sequences apart.
+  Per computed token the two are level there too, so exact packing is the whole lead.
 
 **Further reading.** `python -m fastsft_lab bench --only combined --help`; the library: `fastsft_lab.apply`,
 `fastsft_lab.loss`, `fastsft_lab.lora`, `fastsft_lab.callbacks.StepStatsCallback` (for TRL's `SFTTrainer`, see the README's recipe);
