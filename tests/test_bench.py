@@ -115,6 +115,7 @@ def test_cuda_combined_scenario_tiny_runs_every_variant(tmp_path):
                            progress=False)
     assert {r["config"]["kernels"] for r in results} == {"none", "liger"}
     for r in results:
+        assert r["config"]["host_link"]["h2d_gbps"] > 0 and r["config"]["host_link"]["d2h_gbps"] > 0
         rows = {v["name"]: v for v in r["variants"]}
         assert not [n for n, v in rows.items() if "error" in v], {n: v["error"] for n, v in rows.items() if "error" in v}
         assert rows["all fast"]["host_syncs_per_step"] == 0

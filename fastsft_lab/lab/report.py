@@ -68,8 +68,8 @@ def combined_table() -> str:
         cast = c.get("autocast", "none")
         out.append(f"**{c['model']}, {_depth(c)}, {c['tokens_per_step']} tokens/step, kernels: "
                    f"{c['kernels']}, {'autocast ' + cast if cast != 'none' else 'no autocast'}** "
-                   f"({c.get('kernels_detail', 'stock kernels')}; {quant}, LoRA r{c.get('lora_rank')}; {c.get('steps')} measured steps, run "
-                   f"`{R.run_of(d)}`)\n")
+                   f"({c.get('kernels_detail', 'stock kernels')}; {quant}, LoRA r{c.get('lora_rank')}; {c.get('steps')} measured steps"
+                   f"{_link(c)}, run `{R.run_of(d)}`)\n")
         out.append("| variant | step ms | vs default | tokens/s | MFU | host syncs/step | peak GiB |")
         out.append("|---|---|---|---|---|---|---|")
         for v in rows:
@@ -95,6 +95,12 @@ def combined_table() -> str:
         out.append("")
     out.append(f"Source: {_source(docs)}.")
     return "\n".join(out)
+
+
+def _link(c: dict) -> str:
+    """The host link a run's offloaded copies crossed, when it was measured (combined runs since 2026-12-04)."""
+    link = c.get("host_link") or {}
+    return f"; host link {link['h2d_gbps']:.0f} / {link['d2h_gbps']:.0f} GB/s H2D / D2H" if link.get("h2d_gbps") else ""
 
 
 def _folder(doc: dict) -> str:

@@ -43,6 +43,7 @@ from ..flops import peak_flops
 from ..harness import AUTOCAST, Variant, format_table, make_result, run_variants, with_autocast, write_json
 from ..plots import plot_waterfall, save_figure
 from ..scenario import OptionError, Scenario, option
+from .offload import measure_bandwidth
 
 def build_combined_model(preset, *, num_layers: int | None, lora_rank: int, device: torch.device) -> nn.Module:
     """The model the combined scenario (and the breakdown) measures: NF4 for the real Qwen3, LoRA on every
@@ -297,7 +298,9 @@ class CombinedScenario(Scenario):
                   "warmup": opts.warmup, "batch": batches[0].length_stats(), "flops_per_step": mean_flops,
                   "flops_convention": "6 N T + causal attention (fwd + bwd); N = matmul parameters per token",
                   "peak_flops": peak, "packed_backend": opts.backend,
-                  "autocast": opts.autocast, **extra}
+                  "autocast": opts.autocast,
+                  # the offloaded variants' copies cross this link: hosts differ, and so can their step times
+                  "host_link": measure_bandwidth(device), **extra}
         result = make_result("combined", config, rows, device,
                              notes="Variants interleaved step by step on the same batches; the first row is 1.00x.")
         by = {r["name"]: r for r in rows if "step_ms" in r}
