@@ -574,12 +574,12 @@ def plot_experts_profile(doc: dict):
 def peer_rows(peer: Sequence[dict], same: Sequence[dict]) -> list[tuple[str, float, int | None, int | None]]:
     """One comparison of :func:`.results.peer_results` as rows ``(name, median step ms, peak bytes, host syncs)``:
     the peer's runs first, then our transformers default / all naive / all fast per kernel floor."""
+    from .results import PEER_OUR_VARIANTS
     rows = [(v["name"], v["step_ms"]["median"], v.get("peak_mem_bytes"), v.get("host_syncs_per_step"))
             for d in peer for v in d["variants"] if "step_ms" in v]
     rows += [(f"fastsft {v['name']} ({d['config']['kernels']}, autocast {d['config'].get('autocast', 'none')})",
               v["step_ms"]["median"], v.get("peak_mem_bytes"), v.get("host_syncs_per_step"))
-             for d in same for v in d["variants"]
-             if v["name"] in ("transformers default", "all naive", "all fast") and "step_ms" in v]
+             for d in same for v in d["variants"] if v["name"] in PEER_OUR_VARIANTS and "step_ms" in v]
     return rows
 
 

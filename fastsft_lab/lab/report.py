@@ -320,7 +320,7 @@ def _peer_section(docs: list[dict], same: list[dict]) -> str:
                 out.append(f"| {v['name']} | {v.get('error', '–')[:100]} | | | | |")
     for d in same:
         for v in d["variants"]:
-            if v["name"] in ("transformers default", "all naive", "all fast") and "step_ms" in v:
+            if v["name"] in R.PEER_OUR_VARIANTS and "step_ms" in v:
                 out.append(f"| fastsft_lab {v['name']} (kernels {d['config']['kernels']}) | {_ms(v)} | {_spread(v)} | "
                            f"{v['step_ms'].get('n', '–')} | {_mem_parts(v)} | {v.get('host_syncs_per_step', '–')} |")
     peer = {v["name"]: v for d in docs for v in d["variants"] if "step_ms" in v}

@@ -193,6 +193,9 @@ def combined_results(root=None, device_type: str = "cuda") -> list[dict]:
         d["config"].get("autocast", "none")))
 
 
+PEER_OUR_VARIANTS = ("transformers default", "all naive", "all fast")   # our rows shown beside a peer's
+
+
 def peer_results(root=None, device_type: str = "cuda") -> list[tuple[list[dict], list[dict]]]:
     """The newest Unsloth peer run, one comparison per model it ran: ``(peer, ours)``, where ``peer`` holds its
     ``peer-unsloth`` documents at that model, depth and tokens per step, and ``ours`` our combined results from the
@@ -268,5 +271,5 @@ def breakdown_results(root=None, device_type: str | None = "cuda") -> list[dict]
 
 __all__ = ["all_results", "load_results", "run_of", "newest_per_config", "describe_run", "build_index", "write_index",
            "repo_results_dir", "INDEX", "step_spread", "unsettled", "UNSETTLED_SPREAD", "offload_results",
-           "packed_regime", "combined_results", "peer_results", "experts_profile", "experts_profile_rows",
-           "breakdown_results"]
+           "packed_regime", "combined_results", "peer_results", "PEER_OUR_VARIANTS", "experts_profile",
+           "experts_profile_rows", "breakdown_results"]

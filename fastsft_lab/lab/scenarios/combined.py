@@ -262,12 +262,15 @@ class CombinedScenario(Scenario):
 
     def run(self, opts: CombinedOptions, *, device: torch.device, out_dir: str, progress: bool = True) -> list[dict]:
         results = []
+        # the offloaded variants' copies cross this link: hosts differ, and so can their step times (measured once)
+        link = measure_bandwidth(device)
         for model_name in opts.models:
             preset = get_preset(model_name)
             for kernels in opts.kernels:
                 model = build_combined_model(preset, num_layers=opts.num_layers, lora_rank=opts.lora_rank,
                                              device=device)
-                extra = {"kernels": kernels, **(apply_liger(model, preset.family) if kernels == "liger" else {})}
+                extra = {"kernels": kernels, "host_link": link,
+                         **(apply_liger(model, preset.family) if kernels == "liger" else {})}
                 for tokens in opts.tokens:
                     results.append(self._config(model, preset, opts, tokens, kernels, extra, device, out_dir,
                                                 progress))
@@ -298,9 +301,7 @@ class CombinedScenario(Scenario):
                   "warmup": opts.warmup, "batch": batches[0].length_stats(), "flops_per_step": mean_flops,
                   "flops_convention": "6 N T + causal attention (fwd + bwd); N = matmul parameters per token",
                   "peak_flops": peak, "packed_backend": opts.backend,
-                  "autocast": opts.autocast,
-                  # the offloaded variants' copies cross this link: hosts differ, and so can their step times
-                  "host_link": measure_bandwidth(device), **extra}
+                  "autocast": opts.autocast, **extra}
         result = make_result("combined", config, rows, device,
                              notes="Variants interleaved step by step on the same batches; the first row is 1.00x.")
         by = {r["name"]: r for r in rows if "step_ms" in r}
