@@ -5,7 +5,8 @@
 #
 # Stages (each one's output goes to $OUT/<stage>.log; every figure lands in benchmarks/results/$RUN/):
 #   cuda-tests        pytest -m cuda over $CUDA_TESTS (default: the whole suite, tests/; every GPU session starts
-#                     with it; its log is committed)
+#                     with it; its log is committed); with $CUDA_WORKERS=N (pytest-xdist in .whl), N workers share
+#                     the GPU, then the tests marked `exclusive` (copy-bandwidth targets) run alone
 #   check             every scenario in smoke mode on the GPU (shakes out CUDA-only bugs in seconds)
 #   bench-NAME        `python -m fastsft_lab bench --full --only NAME` (packed, offload, moe, combined);
 #                     extra flags from $BENCH_NAME (e.g. BENCH_moe="--set moe.tokens=8192")
@@ -43,8 +44,15 @@ run_stage() {
   echo "=== $stage (limit ${limit}s) $(date -u +%H:%M:%S)" | tee -a "$OUT/session.log"
   case "$stage" in
     cuda-tests)
-      timeout "$limit" python3 -m pytest -q -m cuda ${CUDA_TESTS:-tests} -p no:cacheprovider --no-header -rfEs 2>&1 \
-        | grep -v '^\s*$' > "$log" ;;
+      if [ -n "${CUDA_WORKERS:-}" ]; then
+        timeout "$limit" bash -c "python3 -m pytest -q -m 'cuda and not exclusive' -n $CUDA_WORKERS ${CUDA_TESTS:-tests} \
+          -p no:cacheprovider --no-header -rfEs --durations=15; echo '--- exclusive tests, alone'; \
+          python3 -m pytest -q -m 'cuda and exclusive' ${CUDA_TESTS:-tests} -p no:cacheprovider --no-header -rfEs" \
+          2>&1 | grep -v '^\s*$' > "$log"
+      else
+        timeout "$limit" python3 -m pytest -q -m cuda ${CUDA_TESTS:-tests} -p no:cacheprovider --no-header -rfEs \
+          --durations=15 2>&1 | grep -v '^\s*$' > "$log"
+      fi ;;
     check)
       MPLBACKEND=Agg timeout "$limit" python3 -m fastsft_lab bench --smoke --device cuda --out "$R/check" --quiet \
         > "$log" 2>&1 ;;

@@ -13,6 +13,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "slow: longer CPU test")
+    config.addinivalue_line("markers", "exclusive: measures the GPU's copy engines against a target: needs the GPU "
+                                       "to itself (run apart from parallel test workers)")
 
 
 def pytest_collection_modifyitems(config, items):

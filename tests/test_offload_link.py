@@ -244,6 +244,7 @@ def test_scenario_rejects_bad_options(tmp_path, bad):
 
 # --- CUDA ------------------------------------------------------------------------------------------------------------
 @pytest.mark.cuda
+@pytest.mark.exclusive
 @pytest.mark.parametrize("target", [25.0, 12.0, 6.0])
 def test_cuda_paced_copy_reaches_its_target_bandwidth(target):
     # the default method (pad); the sleep method depends on SM clocks and is not held to this (module docstring)
