@@ -134,19 +134,19 @@ if [ "${UNSLOTH_PEER_REUSE:-0}" = "1" ] && [ -f "$EXPORT_DIR/meta.json" ] \
   log "reusing the export in $EXPORT_DIR"
 else
   t=$EXPORT_MAX; [ "$(($(left) - 240))" -lt "$t" ] && t=$(($(left) - 240)); [ "$t" -lt 60 ] && t=60
-  log "export (our environment, timeout ${t}s) -> $EXPORT_DIR, log $R/unsloth-export.log"
+  log "export (our environment, timeout ${t}s) -> $EXPORT_DIR, log $R/unsloth-export-$MODEL.log"
   PYTHONPATH="$OUR_PYTHONPATH" PYTHONUNBUFFERED=1 timeout --foreground -s INT -k 20 "$t" \
     "$PY" "$SCRIPT" export --out "$EXPORT_DIR" --model "$MODEL" --num-layers "$LAYERS" --tokens "$TOKENS" \
-    --row-tokens "$ROW_TOKENS" --steps "$STEPS" --mix "$MIX" --lora-rank "$RANK" > "$R/unsloth-export.log" 2>&1
+    --row-tokens "$ROW_TOKENS" --steps "$STEPS" --mix "$MIX" --lora-rank "$RANK" > "$R/unsloth-export-$MODEL.log" 2>&1
   rc=$?
   if [ "$rc" != 0 ] || [ ! -f "$EXPORT_DIR/meta.json" ]; then
-    why=$(last_line "$R/unsloth-export.log")
+    why=$(last_line "$R/unsloth-export-$MODEL.log")
     [ "$rc" = 124 ] && why="timed out after ${t}s; $why"
     for db in $DBS; do fail_run "$db" "stage script: export failed (exit $rc): $why"; done
     finish
   fi
 fi
-cp "$EXPORT_DIR/meta.json" "$R/unsloth-export-meta.json" 2>/dev/null
+cp "$EXPORT_DIR/meta.json" "$R/unsloth-export-$MODEL-meta.json" 2>/dev/null
 
 # 3. one Unsloth process per double-buffer setting
 runs_left=$(echo $DBS | wc -w)
