@@ -72,3 +72,44 @@ def test_moe_glue_floor_counts_each_glue_tensor_once_and_feeds_the_profile_rows(
     doc["env"]["gpu_name"] = "Some GPU"                               # no data sheet: no floor, no ratio
     (row,) = experts_profile_rows(doc)
     assert "glue_floor_ms" not in row and "best_unfused_vs_grouped_mm" not in row["sync_free"]
+
+
+def _doc(run, scenario, date, **config):
+    return {"scenario": scenario, "env": {"device": "cuda", "date": date}, "config": config,
+            "variants": [{"name": scenario, "step_ms": {"median": 1.0, "n": 1}}]}
+
+
+def test_peer_results_pair_each_shape_with_the_newest_session_that_ran_both_sides(tmp_path):
+    # run b (newest) repeats the peer at both shapes but ran ours only for qwen: gpt-oss pairs with run a's two sides
+    qwen, oss = dict(model="qwen3-14b", num_layers=8, tokens_per_step=8192), dict(model="gpt-oss-20b", num_layers=24,
+                                                                                  tokens_per_step=8192)
+    files = {"a/unsloth/q.json": _doc("a", "peer-unsloth", "2026-01-01", **qwen),
+             "a/unsloth/o.json": _doc("a", "peer-unsloth", "2026-01-01T01", **oss),
+             "a/bench/cq.json": _doc("a", "combined", "2026-01-01", kernels="liger", **qwen),
+             "a/bench/co.json": _doc("a", "combined", "2026-01-01", kernels="liger", **oss),
+             "b/unsloth/q.json": _doc("b", "peer-unsloth", "2026-01-02", **qwen),
+             "b/unsloth/o.json": _doc("b", "peer-unsloth", "2026-01-02T01", **oss),
+             "b/bench/cq.json": _doc("b", "combined", "2026-01-02", kernels="liger", **qwen),
+             "c/unsloth/x.json": _doc("c", "peer-unsloth", "2026-01-03", model="qwen3-0.6b", num_layers=2,
+                                      tokens_per_step=512)}
+    for rel, doc in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(json.dumps(doc))
+    got = {peer[0]["config"]["model"]: ([results.run_of(d) for d in peer], [results.run_of(d) for d in ours])
+           for peer, ours in results.peer_results(root=tmp_path)}
+    assert got == {"qwen3-14b": (["b"], ["b"]), "gpt-oss-20b": (["a"], ["a"]), "qwen3-0.6b": (["c"], [])}
+    assert [peer[0]["config"]["model"] for peer, _ in results.peer_results(root=tmp_path)] == [
+        "qwen3-0.6b", "gpt-oss-20b", "qwen3-14b"]
+
+
+def test_breakdowns_are_the_newest_per_configuration_across_runs(tmp_path):
+    # run b re-profiles one configuration of run a: it replaces that one, and run a's other configuration stays
+    cfg = lambda layers: dict(model="qwen3-14b", num_layers=layers, tokens_per_step=8192, kernels="liger")  # noqa: E731
+    files = {"a/bd/x8.json": _doc("a", "breakdown", "2026-01-01", **cfg(8)),
+             "a/bd/x40.json": _doc("a", "breakdown", "2026-01-01", **cfg(40)),
+             "b/bd/x8.json": _doc("b", "breakdown", "2026-01-02", **cfg(8))}
+    for rel, doc in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(json.dumps(doc))
+    got = [(d["config"]["num_layers"], results.run_of(d)) for d in results.breakdown_results(root=tmp_path)]
+    assert got == [(8, "b"), (40, "a")]

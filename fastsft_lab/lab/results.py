@@ -197,21 +197,29 @@ PEER_OUR_VARIANTS = ("transformers default", "all naive", "all fast")   # our ro
 
 
 def peer_results(root=None, device_type: str = "cuda") -> list[tuple[list[dict], list[dict]]]:
-    """The newest Unsloth peer run, one comparison per model it ran: ``(peer, ours)``, where ``peer`` holds its
-    ``peer-unsloth`` documents at that model, depth and tokens per step, and ``ours`` our combined results from the
-    *same* run folder at that shape (the newest per kernel floor): both sides from one session, on the same
-    batches. ``[]`` when no peer run was committed."""
-    docs = load_results("peer-unsloth", root=root, device_type=device_type, newest_run=True)
+    """Unsloth against us, one comparison per shape (model, depth, tokens per step) a peer run measured:
+    ``(peer, ours)``. Both sides come from one session: per shape, the newest run folder that holds the peer's
+    ``peer-unsloth`` documents *and* our combined results at that shape (``ours``: the newest per kernel floor and
+    autocast), so that they ran on the same host and batches. A shape whose newest peer run has no such partner in any
+    folder gives that run's peer documents with ``ours == []``. Shapes are ordered by their newest peer run.
+    ``[]`` when no peer run was committed."""
+    docs = load_results("peer-unsloth", root=root, device_type=device_type)      # newest first
     if not docs:
         return []
     shape = lambda c: (c.get("model"), c.get("num_layers"), c.get("tokens_per_step"))   # noqa: E731
-    run = run_of(docs[0])
-    combined = [d for d in load_results("combined", root=root, device_type=device_type) if run_of(d) == run]
+    combined = load_results("combined", root=root, device_type=device_type)
     out = []
     for key in dict.fromkeys(shape(d["config"]) for d in docs):
-        ours = newest_per_config([d for d in combined if shape(d["config"]) == key],
-                                 key=lambda d: (d["config"].get("kernels"), d["config"].get("autocast")))
-        out.append(([d for d in docs if shape(d["config"]) == key], ours))
+        peers = [d for d in docs if shape(d["config"]) == key]
+        runs = list(dict.fromkeys(run_of(d) for d in peers))                       # newest first
+        pick, ours = runs[0], []
+        for run in runs:
+            same = [d for d in combined if run_of(d) == run and shape(d["config"]) == key]
+            if same:
+                pick, ours = run, newest_per_config(
+                    same, key=lambda d: (d["config"].get("kernels"), d["config"].get("autocast")))
+                break
+        out.append(([d for d in peers if run_of(d) == pick], ours))
     return out
 
 
@@ -259,9 +267,10 @@ def experts_profile_rows(doc: dict) -> list[dict]:
 
 
 def breakdown_results(root=None, device_type: str | None = "cuda") -> list[dict]:
-    """The newest run's breakdown results (``bench --only breakdown``), one per (model, depth, tokens, kernels,
-    autocast), in the order model, depth, kernels ``none`` before ``liger``, autocast ``none`` first."""
-    docs = newest_per_config(load_results("breakdown", root=root, device_type=device_type, newest_run=True),
+    """The newest committed breakdown (``bench --only breakdown``) of each (model, depth, tokens, kernels, autocast),
+    across runs (a later run of one configuration does not hide the others; each names its run), in the order model,
+    depth, kernels ``none`` before ``liger``, autocast ``none`` first."""
+    docs = newest_per_config(load_results("breakdown", root=root, device_type=device_type),
                              key=lambda d: (d["config"]["model"], d["config"].get("num_layers"),
                                             d["config"].get("tokens_per_step"), d["config"].get("kernels"),
                                             d["config"].get("autocast", "none")))
