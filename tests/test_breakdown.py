@@ -193,11 +193,18 @@ def test_smoke_scenario_writes_a_result_the_loader_reads(tmp_path, one_cpu_threa
     assert rows["experts"]["ms"] > 0                                          # an MoE model
     assert doc["bottleneck"]["category"] in B.CATEGORIES and doc["bottleneck"]["sentence"]
     assert doc["variants"][0]["step_ms"]["n"] == 1
+    assert doc["config"]["host_link"]["h2d_gbps"] > 0          # breakdowns from two hosts are compared by it
     written = json.loads(next(out.glob("breakdown_tiny-gpt-oss_*.json")).read_text())
     assert written["breakdown"]["step_ms"] == doc["breakdown"]["step_ms"]
     assert list(out.glob("breakdown_tiny-gpt-oss_*.png"))
     loaded = results.breakdown_results(root=tmp_path, device_type="cpu")
     assert [d["config"]["model"] for d in loaded] == ["tiny-gpt-oss"]
+    from fastsft_lab.lab import report
+
+    with pytest.MonkeyPatch.context() as mp:      # the README's table names the link each breakdown's copies crossed
+        mp.setattr(report.R, "breakdown_results", lambda: loaded)
+        link = loaded[0]["config"]["host_link"]
+        assert f"| host link, H2D / D2H GB/s | {link['h2d_gbps']:.0f} / {link['d2h_gbps']:.0f} |" in report.breakdown_table()
 
 
 def test_options_are_checked():

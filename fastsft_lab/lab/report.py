@@ -406,6 +406,11 @@ def breakdown_table() -> str:
     out.append("| **step without the profiler** | " + " | ".join(f"**{v['step_ms']:.1f}**" for v in views) + " |")
     out.append("| profiled step (its idle) | " + " | ".join(
         f"{v.get('profiled_step_ms', v['step_ms']):.1f} ({v.get('profiled_idle_ms', 0):.1f})" for v in views) + " |")
+    links = [d["config"].get("host_link") or {} for d in docs]
+    if any(link.get("h2d_gbps") for link in links):      # recorded since 2026-12-04 (session 10): hosts differ
+        out.append("| host link, H2D / D2H GB/s | " + " | ".join(
+            f"{link['h2d_gbps']:.0f} / {link['d2h_gbps']:.0f}" if link.get("h2d_gbps") else "not recorded"
+            for link in links) + " |")
     tokens = sorted({d["config"]["tokens_per_step"] for d in docs})
     out.append("\n" + " ".join(f"{h}: {describe_bottleneck(v)}." for h, v in zip(heads, views)))
     out.append(f"\nAll-fast step, {', '.join(map(str, tokens))} tokens; device time per category under the profiler "
