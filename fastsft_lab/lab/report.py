@@ -97,10 +97,16 @@ def combined_table() -> str:
     return "\n".join(out)
 
 
-def _link(c: dict) -> str:
-    """The host link a run's offloaded copies crossed, when it was measured (combined runs since 2026-12-04)."""
+def _gbps(c: dict) -> str | None:
+    """``"H2D / D2H"`` GB/s of the host link a run's offloaded copies crossed; None where it was not measured
+    (recorded by combined runs since session 9, by breakdowns since session 10)."""
     link = c.get("host_link") or {}
-    return f"; host link {link['h2d_gbps']:.0f} / {link['d2h_gbps']:.0f} GB/s H2D / D2H" if link.get("h2d_gbps") else ""
+    return f"{link['h2d_gbps']:.0f} / {link['d2h_gbps']:.0f}" if link.get("h2d_gbps") else None
+
+
+def _link(c: dict) -> str:
+    """The host link for a caption, or nothing where it was not measured."""
+    return f"; host link {_gbps(c)} GB/s H2D / D2H" if _gbps(c) else ""
 
 
 def _folder(doc: dict) -> str:
@@ -406,11 +412,9 @@ def breakdown_table() -> str:
     out.append("| **step without the profiler** | " + " | ".join(f"**{v['step_ms']:.1f}**" for v in views) + " |")
     out.append("| profiled step (its idle) | " + " | ".join(
         f"{v.get('profiled_step_ms', v['step_ms']):.1f} ({v.get('profiled_idle_ms', 0):.1f})" for v in views) + " |")
-    links = [d["config"].get("host_link") or {} for d in docs]
-    if any(link.get("h2d_gbps") for link in links):      # recorded since 2026-12-04 (session 10): hosts differ
-        out.append("| host link, H2D / D2H GB/s | " + " | ".join(
-            f"{link['h2d_gbps']:.0f} / {link['d2h_gbps']:.0f}" if link.get("h2d_gbps") else "not recorded"
-            for link in links) + " |")
+    links = [_gbps(d["config"]) for d in docs]
+    if any(links):                                      # breakdowns from two hosts differ by their link
+        out.append("| host link, H2D / D2H GB/s | " + " | ".join(link or "not recorded" for link in links) + " |")
     tokens = sorted({d["config"]["tokens_per_step"] for d in docs})
     out.append("\n" + " ".join(f"{h}: {describe_bottleneck(v)}." for h, v in zip(heads, views)))
     out.append(f"\nAll-fast step, {', '.join(map(str, tokens))} tokens; device time per category under the profiler "

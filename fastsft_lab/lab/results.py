@@ -184,13 +184,17 @@ def packed_regime(root=None, device_type: str = "cuda") -> list[dict]:
     return out
 
 
+def _floor_config(d: dict) -> tuple:
+    """What tells two combined or breakdown results apart: model, depth, tokens per step, kernels, autocast."""
+    c = d["config"]
+    return c["model"], c.get("num_layers"), c.get("tokens_per_step"), c.get("kernels"), c.get("autocast", "none")
+
+
 def combined_results(root=None, device_type: str = "cuda") -> list[dict]:
     """The newest committed result of each combined configuration (model, depth, tokens, kernels, autocast), across
     runs: a later run at another depth or under autocast does not hide the full-depth headline or the ablation run
     without it. Each names its run (``run_of``)."""
-    return newest_per_config(load_results("combined", root=root, device_type=device_type), lambda d: (
-        d["config"]["model"], d["config"]["num_layers"], d["config"]["tokens_per_step"], d["config"]["kernels"],
-        d["config"].get("autocast", "none")))
+    return newest_per_config(load_results("combined", root=root, device_type=device_type), _floor_config)
 
 
 PEER_OUR_VARIANTS = ("transformers default", "all naive", "all fast")   # our rows shown beside a peer's
@@ -270,10 +274,7 @@ def breakdown_results(root=None, device_type: str | None = "cuda") -> list[dict]
     """The newest committed breakdown (``bench --only breakdown``) of each (model, depth, tokens, kernels, autocast),
     across runs (a later run of one configuration does not hide the others; each names its run), in the order model,
     depth, kernels ``none`` before ``liger``, autocast ``none`` first."""
-    docs = newest_per_config(load_results("breakdown", root=root, device_type=device_type),
-                             key=lambda d: (d["config"]["model"], d["config"].get("num_layers"),
-                                            d["config"].get("tokens_per_step"), d["config"].get("kernels"),
-                                            d["config"].get("autocast", "none")))
+    docs = newest_per_config(load_results("breakdown", root=root, device_type=device_type), _floor_config)
     return sorted(docs, key=lambda d: (d["config"]["model"], d["config"].get("num_layers") or 0,
                                        d["config"].get("kernels") != "none", d["config"].get("autocast", "none") != "none"))
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-import torch
 from torch import nn
 
 import fastsft_lab

@@ -23,13 +23,11 @@ import os
 import torch
 
 from ...data import benchmark_batches
-from ...models import get_preset
 from ..breakdown import breakdown_variant, describe_bottleneck, format_breakdown, step_view
 from ..harness import make_optimizer, make_result, run_variants, with_autocast, write_json
 from ..plots import plot_breakdown, save_figure
 from ..scenario import OptionError, Scenario, option
-from .combined import apply_liger, build_combined_model, combined_variants, validate_models_and_kernels
-from .offload import measure_bandwidth
+from .combined import combined_variants, model_builds, validate_models_and_kernels
 
 
 @dataclasses.dataclass
@@ -70,21 +68,8 @@ class BreakdownScenario(Scenario):
             raise OptionError(f"timed must be >= 1, got {opts.timed}")
 
     def run(self, opts: BreakdownOptions, *, device: torch.device, out_dir: str, progress: bool = True) -> list[dict]:
-        results = []
-        # the step's offload copies cross this link: breakdowns from two hosts differ by it (measured once)
-        link = measure_bandwidth(device)
-        for model_name in opts.models:
-            preset = get_preset(model_name)
-            for kernels in opts.kernels:       # none before liger: Liger patches RoPE module-wide
-                model = build_combined_model(preset, num_layers=opts.num_layers, lora_rank=opts.lora_rank,
-                                             device=device)
-                extra = {"kernels": kernels, "host_link": link,
-                         **(apply_liger(model, preset.family) if kernels == "liger" else {})}
-                results.append(self._one(model, preset, opts, extra, device, out_dir, progress))
-                del model
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-        return results
+        return [self._one(model, preset, opts, extra, device, out_dir, progress)
+                for preset, model, extra in model_builds(opts, device)]
 
     def _one(self, model, preset, opts: BreakdownOptions, extra: dict, device, out_dir, progress) -> dict:
         is_moe = preset.is_moe

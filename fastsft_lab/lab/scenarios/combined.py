@@ -200,6 +200,25 @@ def apply_liger(model: nn.Module, family: str) -> dict:
     return {"liger_kernel": package_version("liger-kernel") or "unknown", "kernels_detail": detail}
 
 
+def model_builds(opts, device: torch.device):
+    """Yield ``(preset, model, extra)`` for each model of ``opts.models`` on each kernel floor of ``opts.kernels``
+    (none before liger: Liger patches RoPE module-wide, so each floor gets a fresh build), freeing each model after
+    its turn. ``extra`` is the configuration the floor adds to a result: ``kernels``, Liger's version and detail,
+    and ``host_link``, the pinned host link the offloaded copies cross (measured once: hosts differ, and so can
+    their step times). The combined and breakdown scenarios both measure through it."""
+    link = measure_bandwidth(device)
+    for model_name in opts.models:
+        preset = get_preset(model_name)
+        for kernels in opts.kernels:
+            model = build_combined_model(preset, num_layers=opts.num_layers, lora_rank=opts.lora_rank, device=device)
+            extra = {"kernels": kernels, "host_link": link,
+                     **(apply_liger(model, preset.family) if kernels == "liger" else {})}
+            yield preset, model, extra
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
 # --- the scenario ---------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class CombinedOptions:
@@ -262,21 +281,10 @@ class CombinedScenario(Scenario):
 
     def run(self, opts: CombinedOptions, *, device: torch.device, out_dir: str, progress: bool = True) -> list[dict]:
         results = []
-        # the offloaded variants' copies cross this link: hosts differ, and so can their step times (measured once)
-        link = measure_bandwidth(device)
-        for model_name in opts.models:
-            preset = get_preset(model_name)
-            for kernels in opts.kernels:
-                model = build_combined_model(preset, num_layers=opts.num_layers, lora_rank=opts.lora_rank,
-                                             device=device)
-                extra = {"kernels": kernels, "host_link": link,
-                         **(apply_liger(model, preset.family) if kernels == "liger" else {})}
-                for tokens in opts.tokens:
-                    results.append(self._config(model, preset, opts, tokens, kernels, extra, device, out_dir,
-                                                progress))
-                del model
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
+        for preset, model, extra in model_builds(opts, device):
+            for tokens in opts.tokens:
+                results.append(self._config(model, preset, opts, tokens, extra["kernels"], extra, device, out_dir,
+                                            progress))
         return results
 
     def _config(self, model, preset, opts, tokens, kernels, extra, device, out_dir, progress) -> dict:
@@ -328,4 +336,4 @@ class CombinedScenario(Scenario):
 
 
 __all__ = ["CombinedScenario", "CombinedOptions", "combined_variants", "apply_liger", "build_combined_model",
-           "validate_models_and_kernels", "compile_layers", "uncompile_layers"]
+           "validate_models_and_kernels", "compile_layers", "uncompile_layers", "model_builds"]
