@@ -54,11 +54,12 @@ if [ "$FAMILY" = gpt_oss ]; then
       UNSLOTH_PEER_EXPORT_DIR=/tmp/unsloth-peer-moe
     fi
   fi
+  DEFAULT_LAYOUT=padded
 else
   ROW_TOKENS=${UNSLOTH_PEER_ROW_TOKENS:-$TOKENS}
   EXPORT_MAX_DEFAULT=240
+  DEFAULT_LAYOUT=packed
 fi
-if [ "$FAMILY" = gpt_oss ]; then DEFAULT_LAYOUT=padded; else DEFAULT_LAYOUT=packed; fi
 LAYOUT=${UNSLOTH_PEER_LAYOUT:-$DEFAULT_LAYOUT}
 case "$LAYOUT" in packed|padded) ;; *) echo "UNSLOTH_PEER_LAYOUT must be packed or padded, got: $LAYOUT" >&2; exit 2 ;; esac
 if [ "$FAMILY" != gpt_oss ] && [ "$LAYOUT" = padded ]; then
