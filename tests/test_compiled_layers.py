@@ -32,6 +32,7 @@ CASES = [("tiny-qwen3", "varlen", torch.float32), ("tiny-qwen3", "sdpa", torch.f
          ("tiny-gpt-oss", "sdpa", torch.bfloat16), ("tiny-gpt-oss", "sdpa", torch.float32)]
 
 
+@pytest.mark.inductor
 @pytest.mark.parametrize("preset,backend,dtype", CASES, ids=[f"{p}-{b}-{str(d)[6:]}" for p, b, d in CASES])
 def test_compiled_layers_match_all_fast_and_never_recompile_for_a_new_batch(preset, backend, dtype, one_cpu_thread):
     _check(preset, backend, dtype, torch.device("cpu"))

@@ -1057,6 +1057,7 @@ def test_cuda_our_flex_keeps_working_after_a_stock_compile_of_flex_attention():
     assert not [w for w in caught if "without torch.compile" in str(w.message)]
 
 
+@pytest.mark.inductor
 def test_our_compiled_flex_leaves_flex_attentions_own_compile_state_alone():
     """transformers compiles ``flex_attention`` itself (dynamic shapes); dynamo keeps guards and shape state per code
     object. Our compiled flex must live on a frame of its own, so neither path's state reaches the other (on the H200,
@@ -1079,6 +1080,7 @@ def test_our_compiled_flex_leaves_flex_attentions_own_compile_state_alone():
         torch._dynamo.reset()
 
 
+@pytest.mark.inductor
 def test_flex_recompile_limit_is_a_clear_error_not_a_silent_fallback(monkeypatch):
     """Past the compile limit, flex must not fall back to its eager T x T path without a word."""
     import torch._dynamo

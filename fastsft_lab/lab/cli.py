@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import importlib.util
 import json
 import os
 import sys
@@ -235,6 +236,10 @@ def run_results(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench" and importlib.util.find_spec("matplotlib") is None:
+        print("fastsft_lab bench: its charts need matplotlib, which the library alone does not install: "
+              "pip install 'fastsft_lab[lab]'", file=sys.stderr)
+        return 2
     if args.command == "bench":
         return run_bench(args)
     if args.command == "info":

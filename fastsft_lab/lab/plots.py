@@ -571,6 +571,31 @@ def plot_experts_profile(doc: dict):
     return fig
 
 
+def plot_training_check(exact: dict, along: dict, title: str = ""):
+    """Left: the naive loss curve with the exact switches' curve over it (equal to the bit). Right: at each checked
+    step, the largest relative difference of the loss and of any gradient with every switch on, against the
+    float32 rounding bound (:mod:`fastsft_lab.lab.convergence`), lower is better."""
+    plt = _plt()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.6))
+    a.plot(exact["naive"], color=_BLUE, label="all naive")
+    a.plot(exact["exact"], "--", color=_ORANGE, label="+ cache, double buffer (exact)")
+    pts = along["points"]
+    a.plot([p["step"] for p in pts], [p["loss"] for p in pts], "o", color=_RED, ms=4, label="checked steps")
+    a.set_xlabel("step"); a.set_ylabel("loss"); a.legend(fontsize=8)
+    a.set_title(f"exact switches: curves bitwise equal: {exact['bitwise_equal']}", fontsize=9)
+    steps = [p["step"] for p in pts]
+    nonzero = lambda v: v if v > 0 else float("nan")     # a bitwise-equal point has no place on a log axis
+    b.semilogy(steps, [nonzero(p["loss_diff"]) for p in pts], "o-", color=_BLUE, label="loss (0 = equal, not drawn)")
+    b.semilogy(steps, [nonzero(p["grad_diff"]) for p in pts], "s-", color=_ORANGE, label="worst gradient")
+    b.axhline(along["tolerance"], color=_RED, ls="--", label=f"bound 2·n·u (n = {along['n']})")
+    b.set_xlabel("step"); b.set_ylabel("relative difference (lower is better)"); b.legend(fontsize=8)
+    b.set_title("every switch on vs naive, same weights", fontsize=9)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def peer_rows(peer: Sequence[dict], same: Sequence[dict]) -> list[tuple[str, float, int | None, int | None]]:
     """One comparison of :func:`.results.peer_results` as rows ``(name, median step ms, peak bytes, host syncs)``:
     the peer's runs first, then our transformers default / all naive / all fast per kernel floor."""

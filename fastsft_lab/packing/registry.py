@@ -198,10 +198,12 @@ def _warn_once(key: str, message: str) -> None:
 
 
 # Keyword arguments transformers' layers pass that change nothing here (bookkeeping of the model call, or the
-# flash-attention packing kwargs, which describe the same segments as packed_metadata / position_ids).
+# padding-free collators' packing kwargs -- TRL's DataCollatorForLanguageModeling(padding_free=True), transformers'
+# DataCollatorWithFlattening -- which describe the same segments as packed_metadata / position_ids; seq_idx is
+# checked against position_ids once per batch by the packing switch).
 IGNORED_KWARGS = frozenset({"use_cache", "output_attentions", "output_hidden_states", "output_router_logits",
                             "return_dict", "cache_position", "num_items_in_batch", "cu_seq_lens_q", "cu_seq_lens_k",
-                            "max_length_q", "max_length_k", "position_embeddings"})
+                            "max_length_q", "max_length_k", "seq_idx", "position_embeddings"})
 
 
 def check_attention_kwargs(module: nn.Module, kwargs: dict) -> None:

@@ -81,6 +81,17 @@ def check_metadata_matches(meta: PackedMetadata, position_ids: torch.Tensor) -> 
                         "the batch's (metadata built from another batch?)")
 
 
+def check_seq_idx(seq_idx: torch.Tensor, position_ids: torch.Tensor) -> None:
+    """A padding-free collator's ``seq_idx`` (the sequence of each token) must mark the same segments as the
+    position ids: a new sequence exactly where the position restarts at 0 (on the device, no host sync)."""
+    seq_idx = seq_idx.expand_as(position_ids)
+    new_seq = torch.ones_like(position_ids, dtype=torch.bool)
+    new_seq[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+    torch._assert_async((new_seq == (position_ids == 0)).all(),
+                        "seq_idx and position_ids describe different sequences: a new sequence must start exactly "
+                        "where position_ids restart at 0")
+
+
 def _inject_metadata(st: _PackedState, base: nn.Module):
     """Forward pre-hook on the decoder stack: one PackedMetadata per step (cached path), checked against the batch;
     calls with a KV cache run the model's own attention instead."""
@@ -99,6 +110,8 @@ def _inject_metadata(st: _PackedState, base: nn.Module):
         pos = kwargs.get("position_ids")
         if pos is not None and st.check_batch:
             check_position_ids(pos.expand(*shape))
+            if kwargs.get("seq_idx") is not None:
+                check_seq_idx(kwargs["seq_idx"], pos.expand(*shape))
         if not st.cache:
             return None  # naive: each layer rebuilds from position_ids, by design
         meta = kwargs.get("packed_metadata")

@@ -14,19 +14,35 @@ HERE = pathlib.Path(__file__).parent
 
 # Every notebook must run on its own in Colab, so each carries this cell (it cannot live in the library it installs).
 COLAB_INSTALL = """
-# Colab: install the library (elsewhere: `make setup` or `pip install -e .` from a clone)
-import sys
+# Colab: Runtime > Change runtime type > a GPU. T4 (16 GB): float16, sdpa/eager attention, the smaller sizes;
+# L4 (24 GB): bfloat16, varlen/flex attention; A100 (40/80 GB): real widths. The parameters cell says what it picked.
+# Elsewhere: `make setup`, or `pip install -e ".[lab,trl]"` from a clone.
+import os, sys
 if "google.colab" in sys.modules:
     import subprocess
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                    "git+https://github.com/fastsft-lab/fastsft_lab"], check=True)
+    import torch
+    if not torch.cuda.is_available() and os.environ.get("SMOKE", "") != "1":
+        raise SystemExit("This Colab runtime has no GPU: Runtime > Change runtime type > T4, L4 or A100 GPU; "
+                         "or set os.environ['SMOKE'] = '1' to run the tiny models on the CPU.")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q",   # Colab's own torch stays; the rest as tested
+                    "fastsft_lab[lab,trl] @ git+https://github.com/fastsft-lab/fastsft_lab",
+                    "transformers==5.17.0", "peft==0.21.2", "accelerate==1.16.0", "bitsandbytes==0.50.2",
+                    "trl==1.16.0", "datasets==5.2.0"], check=True)
 """
 
 
+# Every term the series uses is defined once, in the glossary every notebook's first cell links to.
+GLOSSARY = ("Terms (host sync, pinned memory, streams, MFU, p20–p80, HBM floor, sinks, ...): "
+            "[the glossary](https://github.com/fastsft-lab/fastsft_lab/blob/main/docs/glossary.md).")
+
+
 def cells(mod) -> list[tuple[str, str]]:
-    """The notebook's cells as (kind, source), the shared ones expanded."""
-    return [("code", COLAB_INSTALL.strip("\n")) if kind == "colab" else (kind, text.strip("\n"))
-            for kind, text in mod.CELLS]
+    """The notebook's cells as (kind, source), the shared ones expanded and the glossary linked from the first."""
+    out = [("code", COLAB_INSTALL.strip("\n")) if kind == "colab" else (kind, text.strip("\n"))
+           for kind, text in mod.CELLS]
+    if out and out[0][0] == "md":
+        out[0] = ("md", out[0][1] + "\n\n" + GLOSSARY)
+    return out
 
 
 def build(num: str) -> pathlib.Path:
