@@ -52,14 +52,16 @@ def register_state_reader(name: str, reader: Callable[[nn.Module], dict]) -> Non
 
 def checkpointing_of(model: nn.Module) -> str:
     """``"standard"`` when transformers' own checkpointing is on for the decoder layers, else ``"none"``."""
-    inner = model
-    for _ in range(4):
-        inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-    return "standard" if getattr(inner, "is_gradient_checkpointing", False) else "none"
+    from .models import base_model
+
+    return "standard" if getattr(base_model(model), "is_gradient_checkpointing", False) else "none"
 
 
 def state(model: nn.Module) -> ModelState:
     """The optimizations switched on for ``model`` right now."""
+    from .models import unwrap
+
+    model = unwrap(model)
     values: dict = {"checkpointing": checkpointing_of(model)}
     for reader in _READERS.values():
         values.update(reader(model))

@@ -15,6 +15,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from ._compat import compiled_inner, ddp_inner, is_fsdp1
+
 QWEN3_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GPT_OSS_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # experts are 3-D parameters, see lora_experts
 
@@ -398,9 +400,25 @@ def add_lora(model: nn.Module, preset: ModelPreset, lora: LoraSettings) -> nn.Mo
     return peft_model
 
 
-def base_model(model: nn.Module) -> nn.Module:
-    """The transformers ``*ForCausalLM`` under PEFT wrappers."""
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model a user wrapped: through ``DistributedDataParallel`` / ``DataParallel`` and ``torch.compile``
+    (PEFT and FSDP2's ``fully_shard``, which keep the module itself, stay). Every switch sees through them, so
+    ``apply(DDP(model))`` and ``apply(model)`` do the same. FSDP1 is refused: it flattens the parameters."""
     inner = model
+    for _ in range(8):
+        if is_fsdp1(inner):
+            raise ValueError("FSDP1 (FullyShardedDataParallel) is not supported: shard with FSDP2's "
+                             "torch.distributed.fsdp.fully_shard (per decoder layer, then the root)")
+        nxt = ddp_inner(inner) or compiled_inner(inner)
+        if nxt is None:
+            return inner
+        inner = nxt
+    return inner
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The transformers ``*ForCausalLM`` under DDP, ``torch.compile`` and PEFT wrappers."""
+    inner = unwrap(model)
     for _ in range(4):
         if hasattr(inner, "get_base_model"):
             inner = inner.get_base_model()

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from .models import base_model, decoder_layers
+from .models import base_model, decoder_layers, unwrap
 from .model_state import ModelState, state
 
 
 def _check_model(model) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply() takes a transformers causal LM (nn.Module), got {type(model).__name__}")
+    unwrap(model)                    # refuses what it cannot see through (FSDP1), in its own words
     try:
         decoder_layers(model)
     except ValueError:
@@ -66,6 +67,7 @@ def apply(
 
     # validate everything first: a bad argument must not leave the model half switched
     _check_model(model)
+    model = unwrap(model)            # DDP / torch.compile: the switches act on the module they wrap
     if packed_attention is not None:
         get_backend(packed_attention)
         check_packed_backend(model, packed_attention)
@@ -139,6 +141,7 @@ def revert(model: nn.Module) -> ModelState:
     from .offload.switch import disable_offloaded_checkpointing, disable_standard_checkpointing, is_offloaded
     from .packing.switch import disable_packed_attention, packed_attention_state
 
+    model = unwrap(model)
     if packed_attention_state(model) is not None:
         disable_packed_attention(model)
     if is_offloaded(model):

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from .._compat import is_fsdp2
 from .manager import Entry, OffloadManager
 
 
@@ -328,7 +329,11 @@ def offloaded_checkpoint(function: Callable, *args, manager: OffloadManager, lay
             and args[0].device == manager.device and args[0].numel() > 0:
         offload_leaf = 0   # args are flattened first: leaf 0 is the first positional argument (hidden_states)
     preserve = manager.preserve_rng_state if preserve_rng_state is None else preserve_rng_state
-    params = None if module is None else [p for p in module.parameters() if p.requires_grad]
+    # The layer's trainable parameters become inputs of the offloaded node (their gradients then flow like any
+    # other layer's). Not under FSDP2: there module.parameters() are the sharded copies, while the recompute runs on
+    # the unsharded ones fully_shard's pre-forward hook gathers; a nested backward accumulates into those, and
+    # FSDP's own post-backward hook reduce-scatters them into the sharded .grad, as for a layer without offload.
+    params = None if module is None or is_fsdp2(module) else [p for p in module.parameters() if p.requires_grad]
     call = _Call(manager=manager, fn=fn, fn_args=fn_args, leaves=leaves, spec=spec, offload_leaf=offload_leaf,
                  grad_leaves=grad_leaves, entry=None, trace_layer=layer_index, params=params,
                  autocast=_autocast_state(manager.device.type))

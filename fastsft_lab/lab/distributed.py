@@ -1,0 +1,202 @@
+"""Several processes, every optimization on: does a DDP or FSDP2 step equal one process on the same global batch?
+
+Run under torchrun (on a CPU with gloo, on GPUs with NCCL)::
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 -m fastsft_lab.lab.distributed \\
+        --case fsdp2-qwen3-lora-offload2 --out runs/dist.json
+
+Each rank takes its own row of a packed global batch (the rows hold different numbers of loss tokens), builds the
+same model from the same seed, switches the optimizations on (``fastsft_lab.apply``, before or after wrapping, as
+the case says), wraps it (DDP, or FSDP2's ``fully_shard`` per decoder layer then the root) and runs one step. The
+loss is the global mean over every loss token of every rank: each rank divides its sum by the token count of the
+whole batch (``num_items_in_batch``, all-reduced, as transformers' Trainer does with
+``average_tokens_across_devices``) and multiplies by the world size that the wrapper's gradient averaging divides
+by. Rank 0 then runs the reference in the same process: the same switches, no wrapper, both rows in one batch; and,
+as a guard against a vacuous comparison, the gradient of its own row alone.
+
+Writes one JSON document: per case the world size seen inside the workers, each rank's loss-token count, the loss
+and every trainable gradient's largest difference from the reference, and how far a rank's own gradient is from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import fastsft_lab
+from fastsft_lab.data import PackedBatch, pack_examples, synthetic_corpus
+from fastsft_lab.models import LoraSettings, build_model, decoder_layers, get_preset
+
+# case name -> (wrapper, preset, lora, switches, apply before wrapping)
+CASES: dict[str, tuple[str, str, bool, dict, bool]] = {
+    "ddp-qwen3-lora-all": ("ddp", "tiny-qwen3", True,
+                           dict(packed_attention="sdpa", offload_buffers=2, fused_loss=True), True),
+    "ddp-qwen3-full-offload1-applied-after": ("ddp", "tiny-qwen3", False,
+                                              dict(packed_attention="sdpa", offload_buffers=1, fused_loss=True), False),
+    "ddp-gpt-oss-lora-experts-sync-free": ("ddp", "tiny-gpt-oss", True,
+                                           dict(packed_attention="sdpa", offload_buffers=2, fused_loss=True,
+                                                moe_routing="sync_free"), True),
+    "fsdp2-qwen3-lora-offload0": ("fsdp2", "tiny-qwen3", True,
+                                  dict(packed_attention="sdpa", offload_buffers=0, fused_loss=True), True),
+    "fsdp2-qwen3-lora-offload2": ("fsdp2", "tiny-qwen3", True,
+                                  dict(packed_attention="sdpa", offload_buffers=2, fused_loss=True), True),
+    "fsdp2-qwen3-full-offload2": ("fsdp2", "tiny-qwen3", False,
+                                  dict(packed_attention="sdpa", offload_buffers=2, fused_loss=True), True),
+    "fsdp2-qwen3-full-offload1-applied-after": ("fsdp2", "tiny-qwen3", False,
+                                                dict(packed_attention="sdpa", offload_buffers=1), False),
+}
+
+
+def _model(preset: str, lora: bool) -> torch.nn.Module:
+    # MoE: LoRA on the experts too, so their gradients (an expert idle on one rank) cross the ranks
+    settings = LoraSettings(rank=4, lora_experts=get_preset(preset).is_moe) if lora else None
+    model = build_model(preset, device="cpu", dtype=torch.float32, lora=settings, seed=1)
+    torch.manual_seed(7)
+    for n, p in model.named_parameters():      # PEFT starts lora_B at zero: give every adapter a gradient path
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05)
+    return model
+
+
+def global_batch(world: int, vocab_size: int) -> PackedBatch:
+    """``world`` packed rows of 128 tokens from the short mix (prompts carry no loss: the rows' loss-token counts
+    differ)."""
+    ex = synthetic_corpus(12 * world, vocab_size=vocab_size, mix="short", max_len=60, seed=11)
+    return pack_examples(ex, 128, rows_per_batch=world, drop_last=True)[0]
+
+
+def _row(batch: PackedBatch, r: int) -> dict:
+    return {"input_ids": batch.input_ids[r:r + 1], "labels": batch.labels[r:r + 1],
+            "position_ids": batch.position_ids[r:r + 1]}
+
+
+def _n_items(labels: torch.Tensor) -> torch.Tensor:
+    return (labels[:, 1:] != -100).sum()
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        g = p.grad
+        if g is not None and hasattr(g, "full_tensor"):   # FSDP2: a sharded DTensor
+            g = g.full_tensor()
+        out[_plain_name(n)] = None if g is None else g.detach().clone()
+    return out
+
+
+def _plain_name(name: str) -> str:
+    for prefix in ("module.", "_orig_mod."):
+        while name.startswith(prefix):
+            name = name[len(prefix):]
+    return name.replace("._checkpoint_wrapped_module", "")
+
+
+def _wrap(model: torch.nn.Module, wrapper: str) -> torch.nn.Module:
+    if wrapper == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    if wrapper == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in decoder_layers(model):
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+    raise ValueError(f"unknown wrapper {wrapper!r}; valid: ddp, fsdp2")
+
+
+def run_case(name: str) -> dict | None:
+    wrapper, preset, lora, switches, before = CASES[name]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model(preset, lora)
+    batch = global_batch(world, model.config.vocab_size)
+    mine = _row(batch, rank)
+    n_local = _n_items(mine["labels"])
+    n_global = n_local.clone()
+    dist.all_reduce(n_global)
+    counts = [torch.zeros_like(n_local) for _ in range(world)]
+    dist.all_gather(counts, n_local)
+    if before:
+        fastsft_lab.apply(model, **switches)
+    wrapped = _wrap(model, wrapper)
+    if not before:
+        fastsft_lab.apply(wrapped, **switches)
+    state = str(fastsft_lab.state(wrapped))
+    out = wrapped(**mine, num_items_in_batch=n_global)
+    (out.loss * world).backward()         # the wrappers average gradients over the ranks
+    loss = out.loss.detach().clone()
+    dist.all_reduce(loss)                 # the global mean: every rank divided by the global count
+    got = _grads(wrapped)
+    if rank != 0:
+        return None
+    ref_model = _model(preset, lora)
+    fastsft_lab.apply(ref_model, **switches)
+    both = {"input_ids": batch.input_ids, "labels": batch.labels, "position_ids": batch.position_ids}
+    ref_out = ref_model(**both, num_items_in_batch=_n_items(batch.labels))
+    ref_out.loss.backward()
+    ref = _grads(ref_model)
+    local_model = _model(preset, lora)     # rank 0's own row alone, scaled as its share of the global loss
+    fastsft_lab.apply(local_model, **switches)
+    (local_model(**mine, num_items_in_batch=n_global).loss * world).backward()
+    local = _grads(local_model)
+    diffs, missing, zero = {}, [], []
+    for n, g in ref.items():
+        if got.get(n) is None:
+            missing.append(n)
+            continue
+        if not got[n].abs().max() > 0:
+            zero.append(n)
+        diffs[n] = float((got[n] - g).abs().max())
+    local_gap = max(float((local[n] - g).abs().max()) for n, g in ref.items() if local.get(n) is not None)
+    return {"case": name, "wrapper": wrapper, "preset": preset, "lora": lora, "switches": switches,
+            "applied": "before wrapping" if before else "after wrapping", "state": state, "world_size": world,
+            "loss_tokens_per_rank": [int(c) for c in counts], "loss": float(loss), "ref_loss": float(ref_out.loss),
+            "loss_diff": abs(float(loss) - float(ref_out.loss)), "n_grads": len(ref), "missing_grads": missing,
+            "zero_grads": zero, "max_grad_diff": max(diffs.values()) if diffs else None,
+            "worst_grad": max(diffs, key=diffs.__getitem__) if diffs else None,
+            "rank0_alone_vs_ref": local_gap}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--case", default="all", help=f"comma-separated, or all: {', '.join(CASES)}")
+    ap.add_argument("--out", required=True, help="JSON file rank 0 writes")
+    args = ap.parse_args(argv)
+    names = list(CASES) if args.case == "all" else args.case.split(",")
+    bad = [n for n in names if n not in CASES]
+    if bad:
+        print(f"unknown case(s) {', '.join(bad)}; valid: {', '.join(CASES)}", file=sys.stderr)
+        return 2
+    if "RANK" not in os.environ:
+        print("run under torchrun: python -m torch.distributed.run --standalone --nproc_per_node=2 -m "
+              "fastsft_lab.lab.distributed ...", file=sys.stderr)
+        return 2
+    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    torch.set_num_threads(1)
+    results = []
+    try:
+        for name in names:
+            try:
+                r = run_case(name)
+            except Exception as e:  # noqa: BLE001 - one failing case is recorded, the others still run
+                r = {"case": name, "error": f"{type(e).__name__}: {str(e)[:500]}"} if dist.get_rank() == 0 else None
+            if r is not None:
+                results.append(r)
+            dist.barrier()
+    finally:
+        if dist.get_rank() == 0:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump({"results": results}, f, indent=1)
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

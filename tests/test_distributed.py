@@ -1,0 +1,73 @@
+"""Several processes on the CPU (torchrun, gloo): DDP and FSDP2 with every optimization on equal one process on the
+same global batch, loss and every trainable gradient (``fastsft_lab.lab.distributed`` runs the cases)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fastsft_lab.lab.distributed import CASES
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+
+TOL = 1e-5   # float32, a few thousand terms per sum: the ranks' reduction reorders them
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("dist") / "dist.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "fastsft_lab.lab.distributed", "--case", "all", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {r["case"]: r for r in json.loads(out.read_text())["results"]}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_distributed_step_equals_one_process_on_the_global_batch(results, case):
+    r = results[case]
+    assert "error" not in r, r.get("error")
+    # guards: it ran on two ranks that saw different data, and a rank's own gradient is far from the global one
+    assert r["world_size"] == 2
+    assert len(set(r["loss_tokens_per_rank"])) == 2, r["loss_tokens_per_rank"]
+    assert r["rank0_alone_vs_ref"] > 1e-2
+    assert r["n_grads"] > 0 and not r["missing_grads"], f"no gradient: {r['missing_grads'][:4]}"
+    assert not r["zero_grads"], f"all-zero gradient: {r['zero_grads'][:4]}"
+    assert r["loss_diff"] <= TOL * max(1.0, abs(r["ref_loss"]))
+    assert r["max_grad_diff"] <= TOL, (r["worst_grad"], r["max_grad_diff"])
+
+
+def test_apply_sees_through_ddp_and_refuses_fsdp1_in_one_line():
+    import fastsft_lab
+    from fastsft_lab.data import benchmark_batches
+    from fastsft_lab.models import build_model, unwrap
+    from fastsft_lab.packing import packed_inputs
+
+    model = build_model("tiny-qwen3", device="cpu", dtype=torch.float32, lora=None, seed=1)
+    batch = benchmark_batches(tokens_per_step=256, row_tokens=128, steps=1, vocab_size=256, mix="short")[0]
+    ref = model(**batch.model_inputs()).loss
+    compiled = torch.compile(model, backend="eager")
+    assert unwrap(compiled) is model
+    assert compiled(**batch.model_inputs()).logits is not None           # compiled before the switches
+    state = fastsft_lab.apply(compiled, packed_attention="sdpa", offload_buffers=2, fused_loss=True)
+    assert state == fastsft_lab.state(model) and fastsft_lab.state(model).checkpointing == "offload"
+    out = compiled(**packed_inputs(batch))
+    assert out.logits is None                                             # the fused loss ran: no logits held
+    torch.testing.assert_close(out.loss, ref, rtol=1e-5, atol=1e-6)
+    fastsft_lab.revert(compiled)
+    assert fastsft_lab.state(model).checkpointing == "none"
+    assert compiled(**batch.model_inputs()).logits is not None
+
+    class FakeFSDP1(torch.distributed.fsdp.FullyShardedDataParallel):
+        def __init__(self, module):            # no process group needed to be recognised
+            torch.nn.Module.__init__(self)
+            self._fsdp_wrapped_module = module
+
+    with pytest.raises(ValueError, match="FSDP1 .* not supported: shard with FSDP2's"):
+        fastsft_lab.apply(FakeFSDP1(model), packed_attention="sdpa")
