@@ -13,9 +13,10 @@ TEST_CMD = $(BIN)/python -m pytest tests notebooks --nbval-lax --nbval-current-e
 # kernels by ATEN_CPU_CAPABILITY, so a tolerance that only holds for this machine's kernels fails here.
 OTHER_CPU ?= default
 NUMERIC_TESTS = tests/test_training.py tests/test_loss.py tests/test_moe.py tests/test_offload.py tests/test_packed.py \
-	tests/test_lora.py tests/test_collated_metadata.py tests/test_compiled_layers.py notebooks/04_all_three_together.ipynb
+	tests/test_lora.py tests/test_collated_metadata.py tests/test_compiled_layers.py tests/test_distributed.py \
+	tests/test_padding_free.py notebooks/04_all_three_together.ipynb
 
-.PHONY: setup bench test test-other-cpu mutants clean
+.PHONY: setup bench test test-other-cpu typecheck mutants clean
 
 $(BIN)/.ready: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +37,10 @@ test: $(BIN)/.ready
 test-other-cpu: $(BIN)/.ready
 	ATEN_CPU_CAPABILITY=$(OTHER_CPU) OMP_NUM_THREADS=1 SMOKE=1 MPLBACKEND=Agg $(BIN)/python -m pytest $(NUMERIC_TESTS) \
 		--nbval-lax --nbval-current-env -p no:cacheprovider
+
+# mypy over the package (pyproject.toml [tool.mypy]: undefined names, wrong attribute access, bad calls)
+typecheck: $(BIN)/.ready
+	$(BIN)/python -m mypy fastsft_lab
 
 # the curated mutation run (tests/mutations.py): every named bug in the core logic must fail the tests (~10 min)
 # triton only for the run: the fused kernels' tests run them under Triton's CPU interpreter (skipped without it)

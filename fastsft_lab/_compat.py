@@ -6,7 +6,10 @@ moves. Nothing else in the library reaches into a private torch / transformers /
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+from torch.utils import _pytree as pytree   # tree_flatten / tree_unflatten / tree_map_only (torch 2.0-2.13)
+from torch.utils._python_dispatch import TorchDispatchMode   # a mode that sees every aten op (torch 2.0-2.13)
 
 
 # --- wrappers a user puts around a model --------------------------------------------------------------------------
@@ -45,3 +48,132 @@ def is_fsdp2(module: nn.Module) -> bool:
 
 
 __all__ = ["compiled_inner", "ddp_inner", "is_fsdp1", "is_fsdp2"]
+
+
+# --- torch ----------------------------------------------------------------------------------------------------------
+def saved_tensors_hooks_enabled() -> bool:
+    """Whether autograd's saved-tensor hooks may be set here (``torch._C._autograd._saved_tensors_hooks_is_enabled``,
+    torch 2.1-2.13; they are disabled inside some compiled regions). True where torch has no such probe."""
+    probe = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+    return probe() if probe is not None else True
+
+
+def checkpoint_valid() -> bool:
+    """False inside ``torch.autograd.grad`` / ``backward(inputs=...)`` (``torch.autograd._is_checkpoint_valid``,
+    torch 1.x-2.13): a nested backward cannot accumulate into ``.grad`` there."""
+    return torch.autograd._is_checkpoint_valid()
+
+
+def assert_async(cond: torch.Tensor, message: str) -> None:
+    """Assert a device bool without a host sync (``torch._assert_async``, torch 2.0-2.13): a CPU tensor raises
+    here; on CUDA a failure is a device-side assert at the next sync."""
+    torch._assert_async(cond, message)
+
+
+def dispatch_modes() -> list:
+    """The active ``TorchDispatchMode`` stack (``torch.utils._python_dispatch``, torch 2.0-2.13)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return list(_get_current_dispatch_mode_stack())
+
+
+def disable_dispatch_modes():
+    """A context that steps out of every active ``TorchDispatchMode`` (torch 2.0-2.13)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
+def flex_transpose_ordered():
+    """flex attention's ``_transpose_ordered`` (block tables of the backward from the forward's; torch 2.5-2.13),
+    or None where torch has none (the backward tables are then derived on the device)."""
+    try:
+        from torch.nn.attention.flex_attention import _transpose_ordered
+    except ImportError:
+        return None
+    return _transpose_ordered
+
+
+def has_triton() -> bool:
+    """Whether Triton and a device it can compile for are present (``torch.utils._triton.has_triton``)."""
+    try:
+        from torch.utils._triton import has_triton as probe
+    except ImportError:
+        return False
+    return probe()
+
+
+def flash_attention_ops() -> tuple | None:
+    """``(aten._flash_attention_forward, aten._flash_attention_backward)`` (torch 2.2-2.13), or None."""
+    if not hasattr(torch.ops.aten, "_flash_attention_forward"):
+        return None
+    return torch.ops.aten._flash_attention_forward, torch.ops.aten._flash_attention_backward
+
+
+def flash_forward_arguments() -> set[str]:
+    """The argument names of ``aten._flash_attention_forward`` in this torch (its schema), or an empty set."""
+    try:
+        return {a.name for a in torch.ops.aten._flash_attention_forward.default._schema.arguments}
+    except Exception:  # noqa: BLE001 - no such op, or a schema without arguments: nothing to offer
+        return set()
+
+
+# --- transformers ---------------------------------------------------------------------------------------------------
+def output_collector():
+    """transformers' context variable behind ``output_router_logits`` / ``output_hidden_states`` (its
+    output-capturing hooks append what a layer records to it; ``transformers.utils.output_capturing
+    ._active_collector``, transformers 5.0-5.17), or None where this transformers has none."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return None
+    return _active_collector
+
+
+def flash_packed_helpers():
+    """transformers' own per-layer packed flash helpers (``modeling_flash_attention_utils``, transformers
+    5.0-5.17): ``(_is_packed_sequence, prepare_fa_kwargs_from_position_ids)``, which the naive varlen path calls
+    to stay faithful to what stock transformers runs."""
+    from transformers.modeling_flash_attention_utils import _is_packed_sequence, prepare_fa_kwargs_from_position_ids
+
+    return _is_packed_sequence, prepare_fa_kwargs_from_position_ids
+
+
+def set_experts_implementation_of(config, value: str) -> None:
+    """Set one config's experts implementation where transformers' public ``set_experts_implementation`` does not
+    reach (a bare experts module's config; ``_experts_implementation_internal``, transformers 5.0-5.17)."""
+    config._experts_implementation_internal = value
+
+
+__all__ += ["saved_tensors_hooks_enabled", "checkpoint_valid", "assert_async", "dispatch_modes",
+            "disable_dispatch_modes", "TorchDispatchMode", "pytree", "flex_transpose_ordered", "has_triton",
+            "flash_attention_ops", "flash_forward_arguments", "output_collector", "flash_packed_helpers",
+            "set_experts_implementation_of"]
+
+
+def dynamo_config():
+    """``torch._dynamo.config`` (``recompile_limit``, ``fail_on_recompile_limit_hit``, ``patch``; torch 2.6-2.13)."""
+    import torch._dynamo.config as config
+
+    return config
+
+
+def dynamo_errors() -> tuple[type, type]:
+    """``(FailOnRecompileLimitHit, Unsupported)`` from ``torch._dynamo.exc`` (torch 2.6-2.13)."""
+    import torch._dynamo.exc as exc
+
+    return exc.FailOnRecompileLimitHit, exc.Unsupported
+
+
+def grouped_mm_function():
+    """The grouped matmul: ``torch.nn.functional.grouped_mm`` where public, else ``torch._grouped_mm``
+    (torch 2.8-2.13), or None."""
+    import torch.nn.functional as F
+
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+__all__ += ["dynamo_config", "dynamo_errors", "grouped_mm_function"]
+
+
+__all__ += ["pytree"]

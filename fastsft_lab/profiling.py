@@ -22,12 +22,12 @@ import time
 import warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._compat import TorchDispatchMode
 from ._util import quantile
 
 aten = torch.ops.aten
@@ -192,7 +192,7 @@ class SyncCounter:
         self._stack: list[str] = []
         self._hooks: list = []
         self._mode: SyncCountingMode | None = None
-        self._warn_ctx = None
+        self._warn_ctx: warnings.catch_warnings | None = None
         self._warn_log: list | None = None
         self._prev_debug_mode = None
 
@@ -259,8 +259,9 @@ class SyncCounter:
         self._mode = SyncCountingMode(self)
         self._mode.__enter__()
         if self.cross_check:
-            self._warn_ctx = warnings.catch_warnings(record=True)
-            self._warn_log = self._warn_ctx.__enter__()
+            ctx = warnings.catch_warnings(record=True)
+            self._warn_log = ctx.__enter__()
+            self._warn_ctx = ctx
             warnings.simplefilter("always")
             self._prev_debug_mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("warn")
@@ -269,7 +270,8 @@ class SyncCounter:
     def __exit__(self, *exc) -> None:
         if self.cross_check:
             torch.cuda.set_sync_debug_mode(self._prev_debug_mode)
-            self._warn_ctx.__exit__(*exc)
+            if self._warn_ctx is not None:
+                self._warn_ctx.__exit__(*exc)
             synced = cuda_sync_warnings(self._warn_log)
             self.cuda_reported = len(synced)
             self.cuda_messages = [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:160]}" for w in synced]
@@ -307,7 +309,7 @@ class PhaseTimer:
     def __init__(self, device: torch.device | str | None = None):
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-        self._events: list[tuple[str, object, object]] = []
+        self._events: list[tuple[str, Any, Any]] = []  # CUDA events, or perf_counter floats on a CPU
 
     @contextlib.contextmanager
     def phase(self, name: str):

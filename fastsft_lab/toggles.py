@@ -3,7 +3,7 @@
 Each argument left at ``None`` leaves that optimization as it is. Every argument is validated before anything
 changes, so a bad one leaves the model untouched. ``revert`` puts every one back exactly as the model had it
 before the first ``apply`` (original attention implementation, checkpoint functions, experts implementation).
-Like every switch of fastsft_lab, both return the model's :class:`~fastsft_lab.state.ModelState`; the
+Like every switch of fastsft_lab, both return the model's :class:`~fastsft_lab.model_state.ModelState`; the
 per-optimization modules (``fastsft_lab.packing``, ``.offload``, ``.moe``) have the finer controls.
 """
 

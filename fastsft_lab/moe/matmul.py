@@ -5,12 +5,12 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
+
+from .._compat import grouped_mm_function
 
 
 def _grouped_mm_fn() -> Callable | None:
-    fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-    return fn
+    return grouped_mm_function()
 
 
 def _torch_version() -> tuple[int, int]:

@@ -105,7 +105,7 @@ class _NF4ExpertMatmul(torch.autograd.Function):
     """``x @ W[e]`` for one NF4 expert; backward dequantizes again instead of keeping the bf16 weight alive."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, store: _NF4Weight, expert: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, store: NF4Weight, expert: int) -> torch.Tensor:
         ctx.store, ctx.expert = store, expert
         return x @ store.mat_b(expert).to(x.dtype)
 
@@ -120,7 +120,7 @@ class NF4GroupedMM(torch.autograd.Function):
     once in backward (never saved), so QLoRA memory stays at 4 bits per expert weight."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, offs: torch.Tensor, store: _NF4Weight) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, offs: torch.Tensor, store: NF4Weight) -> torch.Tensor:
         ctx.store = store
         ctx.save_for_backward(offs)
         return grouped_mm(x, store.mat_b().to(x.dtype), offs)

@@ -16,6 +16,7 @@ from typing import Iterator
 
 from torch import nn
 
+from .._compat import set_experts_implementation_of
 from ..models import base_model
 from ..model_state import ModelState, register_state_reader, state
 from .experts import FORWARDS
@@ -53,7 +54,7 @@ def _set_implementation(model: nn.Module, impl: str | list[str]) -> None:
     for m, value in zip(mods, per_module):
         # a config the public switch does not reach (a bare experts module, a module with a config of its own)
         if m.config._experts_implementation != value:
-            m.config._experts_implementation_internal = value
+            set_experts_implementation_of(m.config, value)
 
 
 def _mode_of(impl: str | None) -> str | None:
@@ -98,7 +99,7 @@ def set_moe_routing(model: nn.Module, mode: str | None) -> ModelState:
             ``"batched_mm"``) is also accepted, for comparisons; ``None`` restores the original after it too.
 
     Returns:
-        The model's :class:`~fastsft_lab.state.ModelState`.
+        The model's :class:`~fastsft_lab.model_state.ModelState`.
     """
     mode = check_moe_routing(model, mode)
     base = base_model(model)

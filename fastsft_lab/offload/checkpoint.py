@@ -28,9 +28,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
-from .._compat import is_fsdp2
+from .._compat import checkpoint_valid, is_fsdp2, output_collector, pytree, saved_tensors_hooks_enabled
 from .manager import Entry, OffloadManager
 
 
@@ -80,26 +79,11 @@ def _never_unpacked(_handle) -> torch.Tensor:
         "standard checkpointing.")
 
 
-def _saved_hooks_allowed() -> bool:
-    probe = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
-    return probe() if probe is not None else True
-
-
-def _output_collector():
-    """transformers' context variable behind ``output_router_logits`` / ``output_hidden_states`` (its output
-    capturing hooks append what a layer records to it), or None where this transformers has none."""
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:
-        return None
-    return _active_collector
-
-
 @contextlib.contextmanager
 def _private_collector(keys: list | None = None):
     """Inside: what transformers' output-capturing hooks record goes to a private collector (yielded), with the
     keys of the active one (or ``keys``); the active one is put back on exit."""
-    var = _output_collector()
+    var = output_collector()
     outer = var.get() if var is not None else None
     if keys is None and not outer:
         yield None
@@ -222,7 +206,7 @@ class _OffloadedLayer(torch.autograd.Function):
         if call.offload_leaf is not None:
             call.entry = manager.save(call.leaves[call.offload_leaf], call.trace_layer)
             call.leaves[call.offload_leaf] = None   # keep no reference: the GPU copy is freed after this layer
-        grad_mode = manager.forward_grad and _saved_hooks_allowed()
+        grad_mode = manager.forward_grad and saved_tensors_hooks_enabled()
         if grad_mode:
             # Same requires_grad flags as in the original graph (detached: this graph is thrown away).
             detached: dict[int, torch.Tensor] = {}
@@ -270,7 +254,7 @@ class _OffloadedLayer(torch.autograd.Function):
                 "supported); use standard checkpointing for double backward.")
         ctx.call = None
         manager = call.manager
-        if call.params is None and not torch.autograd._is_checkpoint_valid():
+        if call.params is None and not checkpoint_valid():
             raise RuntimeError(
                 "offloaded checkpointing of a bare function (no module given) is not compatible with "
                 "torch.autograd.grad() or backward(inputs=...): its parameter gradients are accumulated into .grad by "
@@ -351,7 +335,7 @@ def offloaded_checkpoint(function: Callable, *args, manager: OffloadManager, lay
     if not call.side_pending:
         return result
     *outs, token = result
-    collector = _output_collector().get()
+    collector = output_collector().get()
     for i, (key, value) in enumerate(call.side_pending):
         collector[key].append(_SideOutput.apply(token, value, call, i))
     call.side_pending = None

@@ -1,6 +1,6 @@
 """Offloaded checkpointing on a live model, on and off; transformers' own checkpointing with the same way back.
 
-Every switch returns :func:`fastsft_lab.state.state` of the model after the change. The model's
+Every switch returns :func:`fastsft_lab.model_state.state` of the model after the change. The model's
 :class:`~.manager.OffloadManager` (and its pinned pool) survives toggles: :func:`offload_manager` returns it.
 
 Use with TRL/Trainer: leave ``gradient_checkpointing=False`` in the trainer arguments (the trainer would call
@@ -61,7 +61,7 @@ def enable_offloaded_checkpointing(model: nn.Module, buffers: int = 2, prefetch:
         device: compute device (default: the model's).
 
     Returns:
-        The model's :class:`~fastsft_lab.state.ModelState`. Calling it again on an enabled model reconfigures it;
+        The model's :class:`~fastsft_lab.model_state.ModelState`. Calling it again on an enabled model reconfigures it;
         :func:`disable_offloaded_checkpointing` restores what was there before the first call (standard
         checkpointing or none).
     """

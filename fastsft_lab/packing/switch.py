@@ -7,7 +7,7 @@
   metadata from ``position_ids``, with the syncs per-layer code pays);
 * :func:`disable_packed_attention` restores the exact original ``config._attn_implementation``.
 
-Every switch returns :func:`fastsft_lab.state.state` of the model after the change.
+Every switch returns :func:`fastsft_lab.model_state.state` of the model after the change.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._compat import assert_async
 from ..models import base_model, decoder_layers, model_device
 from ..model_state import ModelState, register_state_reader, state
 from .metadata import PackedMetadata
@@ -68,7 +69,7 @@ def check_position_ids(position_ids: torch.Tensor) -> None:
     pos = position_ids
     starts = torch.ones_like(pos, dtype=torch.bool)
     starts[:, 1:] = (pos[:, 1:] - pos[:, :-1]) != 1
-    torch._assert_async(((pos == 0) | ~starts).all(),
+    assert_async(((pos == 0) | ~starts).all(),
                         "packed position_ids must restart at 0 in every sequence (e.g. [0, 1, 2, 0, 1]); a sequence "
                         "starting elsewhere cannot be told apart from the one before it")
 
@@ -76,7 +77,7 @@ def check_position_ids(position_ids: torch.Tensor) -> None:
 def check_metadata_matches(meta: PackedMetadata, position_ids: torch.Tensor) -> None:
     """The metadata must describe this batch: its position ids equal the batch's (on the device, no host sync)."""
     mine = meta.tensors(position_ids.device).position_ids
-    torch._assert_async((mine == position_ids.expand_as(mine)).all(),
+    assert_async((mine == position_ids.expand_as(mine)).all(),
                         "packed_metadata does not describe this batch: its segments give other position_ids than "
                         "the batch's (metadata built from another batch?)")
 
@@ -87,7 +88,7 @@ def check_seq_idx(seq_idx: torch.Tensor, position_ids: torch.Tensor) -> None:
     seq_idx = seq_idx.expand_as(position_ids)
     new_seq = torch.ones_like(position_ids, dtype=torch.bool)
     new_seq[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
-    torch._assert_async((new_seq == (position_ids == 0)).all(),
+    assert_async((new_seq == (position_ids == 0)).all(),
                         "seq_idx and position_ids describe different sequences: a new sequence must start exactly "
                         "where position_ids restart at 0")
 
@@ -178,7 +179,7 @@ def _wrap_generate(model: nn.Module):
         with original_attention(base):
             return original(*args, **kwargs)
 
-    generate._fastsft_generate = True
+    setattr(generate, "_fastsft_generate", True)   # marks our wrapper: disable removes only this one
     base.generate = generate
     return generate
 

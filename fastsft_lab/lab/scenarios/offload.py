@@ -55,9 +55,9 @@ class _SaveOnCpuStep:
 
     def enable(self, model: nn.Module) -> None:
         self.switch.enable()
-        self.ctx = torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda",
-                                                    device_type=self.device.type)
-        self.ctx.__enter__()
+        ctx = torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda", device_type=self.device.type)
+        ctx.__enter__()
+        self.ctx = ctx
 
     def disable(self, model: nn.Module) -> None:
         if self.ctx is not None:

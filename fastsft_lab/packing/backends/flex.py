@@ -25,6 +25,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..._compat import (disable_dispatch_modes, dispatch_modes, dynamo_config, dynamo_errors, flex_transpose_ordered,
+                        has_triton)
 from ..._util import round_up
 from ..metadata import PackedMetadata, norm_device, norm_window
 from ..registry import NAIVE_BUILDS, Backend, BackendStatus, register_backend
@@ -41,10 +43,9 @@ def compile_headroom():
     which materialises every head's T x T scores. Within this context the limit is raised for the flex call only,
     and hitting it raises ``FailOnRecompileLimitHit`` rather than degrading silently.
     """
-    import torch._dynamo.config as dynamo_config
-
-    return dynamo_config.patch(recompile_limit=max(dynamo_config.recompile_limit, FLEX_RECOMPILE_LIMIT),
-                               fail_on_recompile_limit_hit=True)
+    config = dynamo_config()
+    return config.patch(recompile_limit=max(config.recompile_limit, FLEX_RECOMPILE_LIMIT),
+                        fail_on_recompile_limit_hit=True)
 
 
 def mask_mod_for(ids: torch.Tensor, window: int | None):
@@ -113,19 +114,13 @@ def _padded_ids(ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([ids, ids.new_full((rows, padded - t), -1)], dim=1)
 
 
-def _transpose_ordered():
-    try:
-        from torch.nn.attention.flex_attention import _transpose_ordered as transpose
-    except ImportError:   # a torch without it: the backward tables are derived on the device, by from_kv_blocks
-        return None
-    return transpose
 
 
 def host_block_mask_tables(meta: PackedMetadata, window: int | None) -> torch.Tensor | None:
     """Every table of ``meta``'s BlockMask on the host, flattened into one int32 CPU tensor: the forward tables of
     :func:`host_block_tables`, then the backward (q-side) ones, by torch's own ``_transpose_ordered`` -- what
     ``BlockMask.from_kv_blocks`` runs on the device in the lazy path, so the values are the same."""
-    transpose = _transpose_ordered()
+    transpose = flex_transpose_ordered()
     if transpose is None:
         return None
     pn, pi, fn, fi = host_block_tables(meta.seq_lengths, meta.row_tokens, norm_window(window, meta.row_tokens))
@@ -217,19 +212,17 @@ def compiled_flex():
 
 def _call_flex(fn, *args, **kwargs):
     if fn is compiled_flex():
-        import torch._dynamo.config as dynamo_config
-        import torch._dynamo.exc as dynamo_exc
-
-        limit = max(dynamo_config.recompile_limit, FLEX_RECOMPILE_LIMIT)
+        recompile_limit_hit, unsupported = dynamo_errors()
+        limit = max(dynamo_config().recompile_limit, FLEX_RECOMPILE_LIMIT)
         try:
             with compile_headroom():
                 return fn(*args, **kwargs)
-        except dynamo_exc.FailOnRecompileLimitHit as e:
+        except recompile_limit_hit as e:
             raise RuntimeError(
                 f"compiled flex attention hit {limit} recompilations (one per packed shape, window and grad mode): "
                 "pack to a few fixed row shapes (PackedCollator(max_tokens=...) pads every row to one length), or "
                 "use the varlen backend, whose kernels take any shape") from e
-        except dynamo_exc.Unsupported as e:
+        except unsupported as e:
             q = args[0]
             raise RuntimeError(
                 f"torch {torch.__version__} could not compile flex attention for q of shape {tuple(q.shape)} "
@@ -257,11 +250,9 @@ def _outside_sync_counter():
     mode (the flex kernel itself never syncs, so nothing the counter should see is hidden), and under anyone else's
     dispatch mode it refuses before calling flex, with an error that says what to do.
     """
-    from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
-
     from ...profiling import SyncCountingMode
 
-    modes = _get_current_dispatch_mode_stack()
+    modes = dispatch_modes()
     foreign = [type(m).__name__ for m in modes if not isinstance(m, SyncCountingMode)]
     if foreign:
         raise RuntimeError(f"the flex backend cannot run under the TorchDispatchMode {', '.join(foreign)}: torch's "
@@ -269,7 +260,7 @@ def _outside_sync_counter():
                            "the rest of the process. Leave the mode for the forward, or use the sdpa or varlen backend "
                            "(fastsft_lab.profiling.SyncCounter is handled)")
     if modes:
-        return _disable_current_modes()
+        return disable_dispatch_modes()
     return contextlib.nullcontext()
 
 
@@ -315,7 +306,6 @@ def _status(device: torch.device) -> BackendStatus:
         return BackendStatus("flex", False, False, f"torch.nn.attention.flex_attention missing: {e}")
     if device.type != "cuda":
         return BackendStatus("flex", True, False, "forward only: FlexAttention has no CPU backward")
-    from torch.utils._triton import has_triton
 
     if not has_triton():
         return BackendStatus("flex", False, False, "flex attention needs triton on CUDA, and it is missing")

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ..._util import round_up
 from ..metadata import PackedMetadata, norm_device, norm_window
-from ..registry import NAIVE_BUILDS, Backend, BackendStatus, MaskSpec, register_backend
+from ..registry import NAIVE_BUILDS, Backend, BackendStatus, register_backend
 from .common import repeat_kv, segment_lengths_naive
 
 

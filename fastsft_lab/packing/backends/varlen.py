@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from ..._compat import assert_async, flash_attention_ops, flash_forward_arguments, flash_packed_helpers
 from ..metadata import PackedMetadata, norm_device
 from ..registry import NAIVE_BUILDS, Backend, BackendStatus, register_backend
 
@@ -34,11 +35,11 @@ def naive_varlen_args(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     calls ``nonzero`` whose output size lives on the device (2), and the kernel takes ``max_seqlen`` as a Python
     int, read back from the device (3).
     """
-    from transformers.modeling_flash_attention_utils import _is_packed_sequence, prepare_fa_kwargs_from_position_ids
+    is_packed_sequence, prepare_fa_kwargs_from_position_ids = flash_packed_helpers()
 
     NAIVE_BUILDS["varlen"] += 1
     flat = position_ids.reshape(1, -1)
-    if not _is_packed_sequence(flat, batch_size=1):  # sync 1
+    if not is_packed_sequence(flat, batch_size=1):  # sync 1
         n = flat.shape[1]
         return torch.tensor([0, n], dtype=torch.int32, device=flat.device), n
     (cu, _), (max_len, _) = prepare_fa_kwargs_from_position_ids(flat)  # sync 2 (nonzero)
@@ -47,10 +48,7 @@ def naive_varlen_args(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 # --- the kernels ----------------------------------------------------------------------------------------------------
 def _flash_schema_kwargs() -> set[str]:
-    try:
-        return {a.name for a in torch.ops.aten._flash_attention_forward.default._schema.arguments}
-    except Exception:  # noqa: BLE001
-        return set()
+    return flash_forward_arguments()
 
 
 @functools.lru_cache(maxsize=1)
@@ -75,7 +73,8 @@ class CudaFlashVarlen:
 
     @staticmethod
     def forward(q, k, v, cu, max_len, scale, window):
-        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+        flash_forward, _ = flash_attention_ops()
+        out, lse, rng_state, unused, _ = flash_forward(
             q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale, **_flash_window(window))
         if lse.dim() == 2 and lse.shape[0] != q.shape[1]:  # some builds return (N, H)
             lse = lse.t()
@@ -84,7 +83,8 @@ class CudaFlashVarlen:
     @staticmethod
     def backward(dout, q, k, v, out, lse, cu, max_len, scale, window, extra):
         rng_state, unused = extra
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        _, flash_backward = flash_attention_ops()
+        dq, dk, dv = flash_backward(
             dout.contiguous(), q, k, v, out, lse, cu, cu, max_len, max_len, 0.0, True, rng_state, unused,
             scale=scale, **_flash_window(window))
         return dq, dk, dv
@@ -113,7 +113,7 @@ class ReferenceVarlen:
     @staticmethod
     def forward(q, k, v, cu, max_len, scale, window):
         # flash kernels size their tiles by max_seqlen: one below the longest segment drops its last tile
-        torch._assert_async((cu[1:] - cu[:-1]).max() <= max_len,
+        assert_async((cu[1:] - cu[:-1]).max() <= max_len,
                             f"varlen max_seqlen={max_len} is below the longest segment")
         s, groups = ReferenceVarlen._logits(q, k, cu, scale, window)
         lse = torch.logsumexp(s, dim=-1)                                   # (H, N)
@@ -195,7 +195,7 @@ def _status(device: torch.device) -> BackendStatus:
     if device.type != "cuda":
         return BackendStatus("varlen", True, True, "reference kernel on CPU (pure PyTorch, for tests: same plumbing "
                                                    "and sink formulas as the CUDA path)")
-    ok = hasattr(torch.ops.aten, "_flash_attention_forward") and torch.backends.cuda.is_flash_attention_available() \
+    ok = flash_attention_ops() is not None and torch.backends.cuda.is_flash_attention_available() \
         and torch.cuda.get_device_capability() >= (8, 0)
     return BackendStatus("varlen", ok, ok, "torch's flash varlen kernel (aten._flash_attention_forward)" if ok
                          else "torch's flash attention kernel needs a GPU of compute capability 8.0+ (Ampere)")
