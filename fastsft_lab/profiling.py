@@ -18,6 +18,8 @@ bookkeeping done with Python integers is free, as it is on a GPU. On CUDA, ``cro
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import time
 import warnings
 from collections import Counter, defaultdict
@@ -391,6 +393,43 @@ SYNC_OP_NAMES = ("aten::nonzero", "aten::_local_scalar_dense", "aten::item", "at
                   "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::bincount")
 
 
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """File descriptor 2 sent to /dev/null (what C++ writes there: kineto's start/stop notices in some torch
+    builds); Python's own stderr keeps working through its buffer."""
+    try:
+        fd = os.dup(2)
+    except OSError:          # no descriptor 2 (an embedded interpreter): nothing to silence
+        yield
+        return
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(fd, 2)
+        os.close(fd)
+        os.close(devnull)
+
+
+@contextlib.contextmanager
+def quiet_profiler(**kwargs):
+    """``torch.profiler.profile(**kwargs)`` whose start and stop print nothing (the CPU build's kineto writes a
+    ``profiler_start`` / ``profiler_stop`` notice to the process's stderr, into every notebook output); what the
+    profiled code prints is untouched."""
+    from torch.profiler import profile as torch_profile
+
+    prof = torch_profile(**kwargs)
+    with _native_stderr_silenced():
+        prof.__enter__()
+    try:
+        yield prof
+    finally:
+        with _native_stderr_silenced():
+            prof.__exit__(None, None, None)
+
+
 def host_device_timeline(fn: Callable[[], object], device: torch.device | str, *,
                          wait_labels: Sequence[str] = ()) -> dict:
     """Profile one call of ``fn`` and return its host ops and (on CUDA) GPU kernels as ms intervals.
@@ -399,13 +438,13 @@ def host_device_timeline(fn: Callable[[], object], device: torch.device | str, *
     ``syncs`` marks host ops that wait for the device (a ``nonzero``, ``item``, ``.tolist()`` copy or stream sync
     anywhere below them, or a ``record_function`` range named in ``wait_labels``). On a CPU there is no GPU lane: the marks show where a GPU run would stall.
     """
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     device = torch.device(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    with profile(activities=activities) as prof:
+    with quiet_profiler(activities=activities) as prof:
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -437,24 +476,63 @@ def host_device_timeline(fn: Callable[[], object], device: torch.device | str, *
 class ProfileResult:
     table: str
     trace_path: str | None
-    top_ops: list = field(default_factory=list)
+    top_ops: list = field(default_factory=list)           # [{"name", "calls", "self_ms"}]: GPU kernels (CUDA), else
+                                                          # host ops; each counted once (no op and its kernel both)
     ops_per_step: list = field(default_factory=list)      # [{"name", "ms"}]: aten ops' self device (CPU: host) ms
     kernels_per_step: list = field(default_factory=list)  # [{"name", "ms"}]: GPU kernels and copies (CUDA only)
     device_busy_ms: float | None = None                   # the kernels' ms per step (CUDA only)
+    queue_full_ms: float | None = None                    # per step, the CPU blocked on a full launch queue (CUDA)
+
+
+# CUPTI's "Command Buffer Full": the CPU could not queue a launch because the GPU's command buffer was full, i.e. the
+# host ran ahead of the GPU (GPU-bound there). A wait of the host, not a kernel: kept out of the kernels' time.
+QUEUE_FULL = "Command Buffer Full"
+
+
+def _ranked(d: dict[str, float], top: int) -> list[dict]:
+    return [{"name": k[:200], "ms": round(v, 4)} for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+
+
+def summarize_events(averages, *, cuda: bool, steps: int = 1, top: int = 15):
+    """``torch.profiler``'s key averages -> ``(top_ops, ops ms per step, kernels ms per step, queue-full ms per
+    step)``. On CUDA an aten op's self device time is the time of the kernels it launched, so the top entries are
+    the kernels alone (each microsecond counted once); the launch-queue wait (:data:`QUEUE_FULL`) is neither."""
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+
+    def is_kernel(e) -> bool:   # a device event not named aten::
+        return cuda and "CUDA" in str(getattr(e, "device_type", "")) and not e.key.startswith("aten::")
+
+    counted = [e for e in averages if e.key != QUEUE_FULL and (is_kernel(e) if cuda else True)]
+    rows = sorted(counted, key=lambda e: getattr(e, attr, 0), reverse=True)[:top]
+    top_ops = [{"name": e.key, "calls": e.count, "self_ms": round(getattr(e, attr, 0) / 1e3, 3)} for e in rows]
+    ops: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    queue_full = 0.0
+    for e in averages:
+        ms = float(getattr(e, attr, 0) or 0) / 1e3 / steps
+        if e.key == QUEUE_FULL:
+            queue_full += max(ms, float(getattr(e, "cpu_time_total", 0) or 0) / 1e3 / steps)
+            continue
+        if ms <= 0:
+            continue
+        target = kernels if is_kernel(e) else ops
+        target[e.key] = target.get(e.key, 0.0) + ms
+    return top_ops, ops, kernels, queue_full
 
 
 def profile(fn: Callable[[], object], *, steps: int = 1, trace_path: str | None = None, top: int = 15,
             sort_by: str | None = None, record_shapes: bool = False) -> ProfileResult:
-    """Run ``fn`` ``steps`` times under ``torch.profiler``; export a Chrome trace and return the top ops (totals over
-    the steps), and per step the ops' and the kernels' own time and the GPU's busy time."""
+    """Run ``fn`` ``steps`` times under ``torch.profiler``; export a Chrome trace and return the top entries
+    (totals over the steps: on CUDA the GPU kernels by device time, on a CPU the host ops by self time -- never an
+    aten op and the kernels it launched both, which would count the same time twice), and per step the ops' and
+    the kernels' own time, the GPU's busy time and the time the host waited on a full launch queue."""
     from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as _profile
 
     activities = [ProfilerActivity.CPU]
     cuda = torch.cuda.is_available()
     if cuda:
         activities.append(ProfilerActivity.CUDA)
-    with _profile(activities=activities, record_shapes=record_shapes) as prof:
+    with quiet_profiler(activities=activities, record_shapes=record_shapes) as prof:
         for _ in range(steps):
             fn()
         if cuda:
@@ -464,26 +542,13 @@ def profile(fn: Callable[[], object], *, steps: int = 1, trace_path: str | None 
     key = sort_by or ("self_cuda_time_total" if cuda else "self_cpu_time_total")
     averages = prof.key_averages()
     table = averages.table(sort_by=key, row_limit=top)
-    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-    rows = sorted(averages, key=lambda e: getattr(e, attr, 0), reverse=True)[:top]
-    top_ops = [{"name": e.key, "calls": e.count, "self_ms": round(getattr(e, attr, 0) / 1e3, 3)} for e in rows]
-    # per step, split into what ops launch and the kernels themselves (a kernel is a device event not named aten::)
-    ops, kernels = {}, {}
-    for e in averages:
-        ms = float(getattr(e, attr, 0) or 0) / 1e3 / steps
-        if ms <= 0:
-            continue
-        is_kernel = cuda and "CUDA" in str(getattr(e, "device_type", "")) and not e.key.startswith("aten::")
-        target = kernels if is_kernel else ops
-        target[e.key] = target.get(e.key, 0.0) + ms
-
-    def ranked(d):
-        return [{"name": k[:200], "ms": round(v, 4)} for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
-
-    return ProfileResult(table=table, trace_path=trace_path, top_ops=top_ops, ops_per_step=ranked(ops),
-                         kernels_per_step=ranked(kernels),
-                         device_busy_ms=round(sum(kernels.values()), 4) if cuda else None)
+    top_ops, ops, kernels, queue_full = summarize_events(averages, cuda=cuda, steps=steps, top=top)
+    return ProfileResult(table=table, trace_path=trace_path, top_ops=top_ops, ops_per_step=_ranked(ops, top),
+                         kernels_per_step=_ranked(kernels, top),
+                         device_busy_ms=round(sum(kernels.values()), 4) if cuda else None,
+                         queue_full_ms=round(queue_full, 4) if cuda else None)
 
 
 __all__ = ["SyncCounter", "SyncCountingMode", "SyncReport", "count_syncs", "PhaseTimer", "time_ms", "reset_peak_memory",
-           "peak_memory", "current_memory", "percentiles", "host_device_timeline", "profile", "ProfileResult"]
+           "peak_memory", "current_memory", "percentiles", "host_device_timeline", "profile", "ProfileResult",
+           "summarize_events", "QUEUE_FULL", "quiet_profiler"]

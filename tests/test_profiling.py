@@ -172,3 +172,26 @@ def test_profile_reports_each_ops_own_time_per_step():
     total = {o["name"]: o["self_ms"] for o in r.top_ops}
     assert per_step["aten::mm"] > 0 and abs(per_step["aten::mm"] * 4 - total["aten::mm"]) <= 0.01 + 0.01 * total["aten::mm"]
     assert r.kernels_per_step == [] and r.device_busy_ms is None      # a CPU run: no kernels, no GPU busy time
+
+
+def test_profile_summary_counts_each_kernel_once_and_keeps_the_queue_wait_apart():
+    """On CUDA, aten::mm's self device time *is* its kernel's time: the top entries list the kernel, not both; the
+    launch-queue wait is reported apart and is not GPU busy time."""
+    from types import SimpleNamespace as E
+
+    from fastsft_lab.profiling import QUEUE_FULL, summarize_events
+
+    ev = [E(key="aten::mm", count=4, device_type="DeviceType.CUDA", self_device_time_total=8000.0),
+          E(key="sm90_xmma_gemm_bf16", count=4, device_type="DeviceType.CUDA", self_device_time_total=8000.0),
+          E(key="aten::add_", count=2, device_type="DeviceType.CPU", self_device_time_total=1000.0),
+          E(key="elementwise_kernel", count=2, device_type="DeviceType.CUDA", self_device_time_total=1000.0),
+          E(key=QUEUE_FULL, count=1, device_type="DeviceType.CUDA", self_device_time_total=0.0,
+            cpu_time_total=392000.0)]
+    top, ops, kernels, queue = summarize_events(ev, cuda=True, steps=2, top=10)
+    assert [t["name"] for t in top] == ["sm90_xmma_gemm_bf16", "elementwise_kernel"]
+    assert sum(t["self_ms"] for t in top) == 9.0                      # 8 + 1 ms, not 18
+    assert kernels == {"sm90_xmma_gemm_bf16": 4.0, "elementwise_kernel": 0.5}
+    assert queue == 196.0 and QUEUE_FULL not in kernels
+    top_cpu, _, kernels_cpu, queue_cpu = summarize_events(
+        [E(key="aten::mm", count=1, device_type="DeviceType.CPU", self_cpu_time_total=3000.0)], cuda=False)
+    assert top_cpu == [{"name": "aten::mm", "calls": 1, "self_ms": 3.0}] and kernels_cpu == {} and queue_cpu == 0.0

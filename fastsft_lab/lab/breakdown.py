@@ -402,12 +402,14 @@ def profile_steps(model: nn.Module, step: Callable[[int], Any], *, device: torch
                   optimizer_step: Callable[[], Any] | None = None) -> dict:
     """Run ``step(i)`` (forward + backward) and ``optimizer_step()`` for ``i`` in ``range(steps)`` under the
     profiler with the module scopes on; return the breakdown (:func:`breakdown_from_events`)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
+
+    from ..profiling import quiet_profiler
 
     device = torch.device(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     _sync(device)
-    with ScopeLabels(model), profile(activities=activities) as prof:
+    with ScopeLabels(model), quiet_profiler(activities=activities) as prof:
         for i in range(steps):
             with torch.profiler.record_function(STEP_LABEL):
                 step(i)

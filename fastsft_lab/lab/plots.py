@@ -189,9 +189,12 @@ def plot_regime(summary: list[dict], x: str = "tokens_per_step"):
             key = f"cached_{phase}_speedup"
             if len(xs_all) == 1:
                 names = [f"{b} | {m}" for b, m in sorted(groups)]
-                vals = [groups[g][xs_all[0]].get(key) or 0 for g in sorted(groups)]
+                vals = [groups[g][xs_all[0]].get(key) or float("nan") for g in sorted(groups)]   # missing: no bar
                 bars = ax.bar(range(len(vals)), vals, color=_BLUE)
-                _label_bars(ax, bars, vals, vals)
+                for bar, v in zip(bars, vals):
+                    ax.annotate("missing" if v != v else f"{v:.2f}x", (bar.get_x() + bar.get_width() / 2,
+                                0 if v != v else v), xytext=(0, 2), textcoords="offset points", ha="center",
+                                va="bottom", fontsize=7)
                 ax.set_xticks(range(len(vals)))
                 ax.set_xticklabels(names, rotation=15, ha="right", fontsize=8)
                 ax.set_xlabel(f"{x.replace('_', ' ')} = {xs_all[0]}", fontsize=8)

@@ -161,12 +161,16 @@ def regime_table() -> str:
             if p is None:
                 cells.append("–")
                 continue
+            if not p.get("cached_step_speedup"):
+                cells.append("failed")       # the newest run of this point has no ratio; no older one stands in
+                continue
             txt = f"{p.get('cached_forward_speedup', float('nan')):.2f} / {p['cached_step_speedup']:.2f}"
             noisy = abs(p.get("cached_vs_oracle_step", 1) - 1) > 0.02
             cells.append(f"({txt})" if noisy else txt)
         out.append(f"| {model} ({layers}), {mix}, {backend} | " + " | ".join(cells) + " |")
     out.append("\nforward / step speed of the cached path over the naive one; in parentheses where cached and oracle "
-               "differ by more than 2% (host-bound, noise-dominated steps). The newest measurement of each point.")
+               "differ by more than 2% (host-bound, noise-dominated steps). The newest measurement of each point; "
+               "\"failed\" where it has no ratio.")
     return "\n".join(out)
 
 

@@ -161,25 +161,31 @@ def unsettled(variant: dict) -> bool:
 
 def packed_regime(root=None, device_type: str = "cuda") -> list[dict]:
     """The regime-map points of every committed packed run, one per (model, depth, backend, mix, tokens): the newest
-    measurement of each point that has a cached-vs-naive speedup (a point whose naive path failed is skipped, so it
-    does not hide an earlier valid one). Points come from the regime summaries and from each configuration's own
-    ``speedups``."""
-    points = []
-    for doc in load_results("packed_metadata_regime", root=root, device_type=device_type):
-        for p in doc["summary"]:
-            points.append(dict(p, _run=run_of(doc), _date=doc["env"].get("date", "")))
+    measurement of each point. A run measures a point when it ran the naive path there: where that path (or the
+    cached one) failed, the point has no ratio, and an older run's ratio never stands in for it. A run that did not
+    run the naive path (the collated-metadata runs compare cached with the oracle) does not measure the point. Points
+    come from the regime summaries and from each configuration's own ``speedups``."""
+    def key(p):
+        return p["model"], p.get("num_layers"), p["backend"], p["mix"], p["tokens_per_step"]
+
+    points, ran_naive = [], set()
     for doc in load_results("packed_metadata", root=root, device_type=device_type):
         c = doc["config"]
-        points.append({"model": c["model"], "backend": c["backend"], "mix": c["mix"],
-                       "tokens_per_step": c["tokens_per_step"], "num_layers": c.get("num_layers"),
-                       **doc.get("speedups", {}), "_run": run_of(doc), "_date": doc["env"].get("date", "")})
+        p = {"model": c["model"], "backend": c["backend"], "mix": c["mix"], "tokens_per_step": c["tokens_per_step"],
+             "num_layers": c.get("num_layers"), **doc.get("speedups", {}), "_run": run_of(doc),
+             "_date": doc["env"].get("date", "")}
+        if any(v["name"].endswith(" naive") for v in doc["variants"]):
+            ran_naive.add((p["_run"], key(p)))
+            points.append(p)
+    for doc in load_results("packed_metadata_regime", root=root, device_type=device_type):
+        for p in doc["summary"]:
+            p = dict(p, _run=run_of(doc), _date=doc["env"].get("date", ""))
+            if p.get("cached_step_speedup") or (p["_run"], key(p)) in ran_naive:
+                points.append(p)
     seen, out = set(), []
     for p in sorted(points, key=lambda p: p["_date"], reverse=True):
-        if not p.get("cached_step_speedup"):
-            continue
-        key = (p["model"], p.get("num_layers"), p["backend"], p["mix"], p["tokens_per_step"])
-        if key not in seen:
-            seen.add(key)
+        if key(p) not in seen:
+            seen.add(key(p))
             out.append(p)
     return out
 

@@ -437,13 +437,18 @@ for d in headline:
 ("md", r'''
 The regime map: the cached path's speed over the naive one against tokens per step, per model, backend and length
 mix, from the regime sweeps (`results.packed_regime()`: the newest measurement of each point, so sessions are never
-drawn on top of each other). Points whose newest run has no naive/cached ratio are left out.
+drawn on top of each other). A point whose newest run has no naive/cached ratio is drawn as missing: an older run's
+ratio never stands in for it.
 '''),
 ("code", r'''
-regime = [p for p in results.packed_regime() if p.get("cached_forward_speedup")]
+regime = results.packed_regime()
+missing = [p for p in regime if not p.get("cached_forward_speedup")]
 runs = {results.run_of(d): results.describe_run(d)
         for d in results.load_results(["packed_metadata_regime", "packed_metadata"])}
-print(f"{len(regime)} points, from:")
+for p in missing:
+    print(f"missing (its newest run has no ratio): {p['model']} x{p.get('num_layers')} {p['backend']} {p['mix']} "
+          f"{p['tokens_per_step']} tokens")
+print(f"{len(regime) - len(missing)} points with a ratio, from:")
 for run in sorted({p["_run"] for p in regime}):
     print("  ", runs[run])
 fig = plots.plot_regime(regime)

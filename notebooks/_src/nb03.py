@@ -371,9 +371,10 @@ else:
     print(f"[{results.describe_run(prof)}] {prof['what']}")
     for r in results.experts_profile_rows(prof):
         sf, eg = r.get("sync_free") or {}, r.get("sync_free:eager_glue") or {}
+        over = lambda d: f"{(d.get('vs_limit', float('nan')) - 1) * 100:+.0f}% over the matmuls alone"
         print(f"  {r['preset']:14s} {r['tokens']:6d} tok: matmuls alone {r['limit_ms']:6.2f} ms, sync_free "
-              f"{sf.get('step_ms', float('nan')):6.2f} ({sf.get('vs_limit', float('nan')):.2f}x), every fused kernel off "
-              f"{eg.get('step_ms', float('nan')):6.2f} ({eg.get('vs_limit', float('nan')):.2f}x)")
+              f"{sf.get('step_ms', float('nan')):6.2f} ms ({over(sf)}), every fused kernel off "
+              f"{eg.get('step_ms', float('nan')):6.2f} ms ({over(eg)})")
         if sf.get("glue_ms") and r.get("glue_floor_ms"):
             print(f"  {'':14s} {'':6s}      glue {sf['glue_ms']:.2f} ms against its HBM floor {r['glue_floor_ms']:.2f} ms "
                   f"({r['glue_bytes'] / 1e9:.2f} GB); best unfused glue: {sf['best_unfused_vs_grouped_mm']:.2f}x the "
@@ -417,7 +418,8 @@ m = build_model(PRESET, device=DEVICE, dtype=DTYPE, num_layers=None if SMOKE els
                 lora=LoraSettings(rank=4, target_modules=["q_proj", "v_proj"]))
 moe.quantize_experts_nf4(m)
 sizes = moe.nf4_expert_bytes(m)
-print(f"expert weights: {sizes['nf4_bytes']/1e3:.0f} kB in NF4 vs {sizes['bf16_bytes']/1e3:.0f} kB in bf16 "
+mib = lambda n: f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+print(f"expert weights: {mib(sizes['nf4_bytes'])} in NF4 vs {mib(sizes['bf16_bytes'])} in bf16 "
       f"({sizes['nf4_bytes']/sizes['bf16_bytes']:.0%})")
 experts0 = moe.experts_modules(m)[0]
 dev = torch.device(DEVICE)
