@@ -187,3 +187,32 @@ def test_limit_gap_chart_draws_each_row_over_the_limit_in_percent():
     heights = sorted(round(p.get_height(), 6) for p in fig.axes[0].patches if p.get_width() < 1)
     assert heights == [-1.0, 0.5, 1.0, 2.0]
     assert plot_limit_gap([{"config": {}, "env": {}, "variants": [{"name": "sdpa naive", "error": "x"}]}]) is None
+
+
+def test_a_bench_that_measures_nothing_exits_non_zero_with_the_reason(tmp_path, capsys):
+    from fastsft_lab.lab.cli import main
+
+    rc = main(["bench", "--only", "packed", "--smoke", "--device", "cpu", "--out", str(tmp_path), "--quiet",
+               "--set", "packed.backends=flash", "--set", "packed.models=tiny-qwen3"])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert "skip tiny-qwen3 flash" in captured.out + captured.err
+    assert "nothing was measured by packed" in captured.err
+
+
+def test_the_table_marks_ratios_the_run_cannot_tell_apart_and_skips_quietly():
+    from fastsft_lab.lab.harness import format_derived, format_table, spreads_overlap
+
+    stat = lambda m, lo, hi: {"median": m, "p20": lo, "p80": hi, "n": 5}     # noqa: E731
+    result = {"variants": [{"name": "base", "step_ms": stat(10.0, 9.0, 11.0)},
+                           {"name": "same", "step_ms": stat(9.5, 8.0, 9.2)},
+                           {"name": "faster", "step_ms": stat(5.0, 4.9, 5.1)},
+                           {"name": "peer", "error": "skipped: needs a GPU"}]}
+    assert spreads_overlap(stat(1, 1, 2), stat(1, 2, 3)) and not spreads_overlap(stat(1, 1, 2), stat(3, 2.5, 4))
+    lines = format_table(result).splitlines()
+    row = {ln.split()[0]: ln for ln in lines[2:]}
+    assert "1.05x~" in row["same"] and "2.00x " in row["faster"] and "~" not in row["faster"]
+    assert "peer" in row and "skipped: needs a GPU" in row["peer"] and "ERROR" not in row["peer"]
+    assert lines[-1].startswith("~ the step's p20-p80 overlaps base's")
+    assert format_derived({"double_vs_single_gain": 0.0123, "second_buffer_bytes": 3 * 2**20, "note": "n"}) == \
+        "double vs single gain +1.2%; second buffer bytes 3.0 MiB; note: n"

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from .harness import spreads_overlap
 from .scenario import OptionError, option_help
 from .scenarios import SCENARIOS
 
@@ -158,6 +159,7 @@ def run_bench(args) -> int:
               "metadata built once, copies scheduled), not GPU speed; GPU figures: README and benchmarks/results.")
 
     summary = []
+    empty = []
     t0 = time.time()
     for name in names:
         scenario = SCENARIOS[name]
@@ -166,32 +168,45 @@ def run_bench(args) -> int:
         results = scenario(plans[name], device=device, out_dir=out_dir, progress=not args.quiet)
         for r in results:
             summary.append(_summarize(name, r))
+        if not any("error" not in v for r in results for v in r.get("variants", [])):
+            empty.append(name)
         print(f"  ({time.time() - t1:.0f} s)")
 
     path = os.path.join(out_dir, "summary.json")
     with open(path, "w") as f:
         json.dump({"device": str(device), "smoke": smoke, "seconds": round(time.time() - t0, 1),
                    "scenarios": summary}, f, indent=2, default=str)
-    print("\n=== summary: step-time speed of each variant against its scenario's first variant (higher is better) ===")
+    print("\n=== summary: step-time speed of each variant against its scenario's first variant (higher is better; "
+          "~: the p20-p80 spreads overlap, not told apart) and host syncs per step ===")
     for s in summary:
         print(f"  {s['scenario']:8s} {s['label']}")
         for v in s["variants"]:
             print(f"      {v['name']:30s} {v['speedup']}")
     print(f"\nwrote {path} ({time.time() - t0:.0f} s in all)")
+    if empty:
+        print(f"fastsft_lab bench: nothing was measured by {', '.join(empty)}: every configuration was skipped or "
+              "failed (the lines above say why)", file=sys.stderr)
+        return 1
     return 0
 
 
 def _summarize(name: str, result: dict) -> dict:
     cfg = result.get("config", {})
     rows = [r for r in result.get("variants", []) if "step_ms" in r]
-    base = rows[0]["step_ms"]["median"] if rows else None
+    base_stat = rows[0]["step_ms"] if rows else None
+    base = base_stat["median"] if base_stat else None
     label = ", ".join(f"{k}={cfg[k]}" for k in ("model", "num_layers", "tokens_per_step", "backend", "mode")
                       if k in cfg)
     variants = []
     for r in result.get("variants", []):
         if "step_ms" in r and base:
-            variants.append({"name": r["name"], "step_ms": r["step_ms"]["median"],
-                             "speedup": f"{base / r['step_ms']['median']:.2f}x ({r['step_ms']['median']:.1f} ms)"})
+            same = r is not rows[0] and spreads_overlap(r["step_ms"], base_stat)
+            syncs = r.get("host_syncs_per_step")
+            variants.append({"name": r["name"], "step_ms": r["step_ms"]["median"], "overlaps_baseline": same,
+                             "host_syncs_per_step": syncs,
+                             "speedup": f"{base / r['step_ms']['median']:.2f}x{'~' if same else ' '} "
+                                        f"({r['step_ms']['median']:.1f} ms)"
+                                        + (f"  {syncs} syncs/step" if syncs is not None else "")})
         else:
             variants.append({"name": r["name"], "speedup": r.get("error", "-")})
     return {"scenario": name, "label": label, "variants": variants}

@@ -332,30 +332,67 @@ def _fmt_ms(stat: dict | None) -> str:
     return f"{stat['median']:.1f} [{stat['p20']:.1f}-{stat['p80']:.1f}]"
 
 
+def format_derived(derived: dict) -> str:
+    """A result's derived figures as one readable line: fractions named gain / overhead as signed percents, bytes
+    in KiB / MiB / GiB, notes as they are."""
+    parts = []
+    for k, v in derived.items():
+        name = k.replace("_", " ")
+        if isinstance(v, float) and any(w in k for w in ("gain", "overhead", "error")) and abs(v) < 10:
+            parts.append(f"{name} {v * 100:+.1f}%")
+        elif isinstance(v, (int, float)) and k.endswith("bytes"):
+            n = float(v)
+            unit = next(u for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1)) if abs(n) >= s or s == 1)
+            scale = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}[unit]
+            parts.append(f"{name} {n / scale:.1f} {unit}")
+        elif isinstance(v, float):
+            parts.append(f"{name} {v:.3g}")
+        elif v is not None:
+            parts.append(f"{name}: {v}")
+    return "; ".join(parts)
+
+
+def spreads_overlap(a: dict | None, b: dict | None) -> bool:
+    """Whether two timings' p20-p80 ranges overlap: then this run does not tell them apart."""
+    if not a or not b or not a.get("n") or not b.get("n"):
+        return False
+    return a["p20"] <= b["p80"] and b["p20"] <= a["p80"]
+
+
 def format_table(result: dict) -> str:
     """A short text table: median [p20-p80] per phase, the step's speed against the first variant (higher is
-    better), MFU, host syncs per step (and how many of them inside the decoder layers), peak GPU memory."""
+    better; ``~`` where the two p20-p80 spreads overlap, so this run does not tell them apart), MFU, host syncs per
+    step (and how many of them inside the decoder layers), peak GPU memory. A skipped variant is one quiet line,
+    an error says so."""
     rows = result["variants"]
     base = next((r for r in rows if "step_ms" in r), None)
-    head = f"{'variant':28s} {'forward ms':>22s} {'backward ms':>22s} {'step ms':>22s} {'x step':>7s} " \
+    w = max([28] + [len(r["name"]) for r in rows])
+    head = f"{'variant':{w}s} {'forward ms':>22s} {'backward ms':>22s} {'step ms':>22s} {'x step':>8s} " \
            f"{'MFU':>6s} {'syncs/step':>10s} {'(in layers)':>11s} {'peak GiB':>8s}"
     lines = [head, "-" * len(head)]
+    overlaps = False
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['name']:28s} ERROR: {r['error']}")
+            err = str(r["error"])
+            lines.append(f"{r['name']:{w}s} {err}" if err.startswith("skipped:") else f"{r['name']:{w}s} ERROR: {err}")
             continue
         speed = (base["step_ms"]["median"] / r["step_ms"]["median"]) if base and "step_ms" in r else float("nan")
+        same = r is not base and spreads_overlap(r.get("step_ms"), base.get("step_ms") if base else None)
+        overlaps |= same
         peak = r.get("peak_mem_bytes")
         inl = r.get("host_syncs_in_layers")
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
         lines.append(
-            f"{r['name']:28s} {_fmt_ms(r.get('forward_ms')):>22s} {_fmt_ms(r.get('backward_ms')):>22s} "
-            f"{_fmt_ms(r.get('step_ms')):>22s} {speed:6.2f}x {mfu:>6s} "
+            f"{r['name']:{w}s} {_fmt_ms(r.get('forward_ms')):>22s} {_fmt_ms(r.get('backward_ms')):>22s} "
+            f"{_fmt_ms(r.get('step_ms')):>22s} {speed:6.2f}x{'~' if same else ' '} {mfu:>6s} "
             f"{str(r.get('host_syncs_per_step', '-')):>10s} "
             f"{'(' + str(inl) + ')' if inl is not None else '-':>11s} {f'{peak / 2**30:8.2f}' if peak else '-':>8s}"
         )
+    if overlaps:
+        lines.append(f"~ the step's p20-p80 overlaps {base['name']}'s: this run does not tell the two apart")
     return "\n".join(lines)
 
 
 __all__ = ["Variant", "default_inputs", "run_step", "make_optimizer", "run_variants", "count_step_syncs",
-           "make_result", "write_json", "format_table", "add_throughput", "with_autocast", "AUTOCAST"]
+           "make_result", "write_json", "format_table", "format_derived", "spreads_overlap", "add_throughput", "with_autocast",
+           "AUTOCAST"]

@@ -27,7 +27,7 @@ from ...data import benchmark_batches
 from ...models import LoraSettings, base_model, build_model, get_preset, model_device
 from ...offload import (CheckpointingSwitch, StreamOps, disable_offloaded_checkpointing, enable_offloaded_checkpointing,
                         offload_manager)
-from ..harness import Variant, format_table, make_result, run_variants, write_json
+from ..harness import Variant, format_derived, format_table, make_result, run_variants, write_json
 from ..plots import plot_offload_result, plot_sweep, plot_timelines, save_figure
 from ..scenario import OptionError, Scenario, option
 from ..timelines import copy_overlap
@@ -610,7 +610,7 @@ def _bench(device, cfg, out_dir, steps, warmup, progress, sweep, sweep_only, hos
                             os.path.join(out_dir, f"offload-timeline-{tag}.png"))
             print(format_table(result))
             if result["derived"]:
-                print("  derived:", json.dumps(result["derived"], default=str))
+                print("  " + format_derived(result["derived"]))
             results.append(result)
             # release pinned memory between token counts (our pool, and the peers' cached pinned blocks)
             disable_offloaded_checkpointing(model, release_pool=True)

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import statistics
@@ -52,7 +51,8 @@ from torch import nn
 from ...data import benchmark_batches
 from ...models import LoraSettings, base_model, build_model, get_preset
 from ...offload import StreamOps, disable_offloaded_checkpointing, enable_offloaded_checkpointing
-from ..harness import Variant, count_step_syncs, format_table, make_optimizer, make_result, run_variants, write_json
+from ..harness import (Variant, count_step_syncs, format_derived, format_table, make_optimizer, make_result,
+                       run_variants, write_json)
 from ..plots import plot_offload_link, save_figure
 from ..scenario import OptionError, Scenario, option
 from ..timelines import copy_overlap, simulate_schedule, span_ms
@@ -470,9 +470,13 @@ def _bench(device: torch.device, opts, out_dir: str, progress: bool) -> dict:
         write_json({"scenario": "offload_link_timeline", "env": result["env"], "config": config, "timelines": traces},
                    os.path.join(out_dir, f"offload-link-timeline-{tag}.json"))
     print(format_table(result))
+    print(f"  {'link':>10s} {'x1 vs plain':>12s} {'x2+p vs plain':>14s} {'x2 over x1':>11s} {'copy/backward':>14s}")
     for p in points:
-        print("  point:", json.dumps(p))
-    print("  derived:", json.dumps(result["derived"], default=str))
+        link = "native" if p.get("target_gbps") is None else f"{p['target_gbps']:g} GB/s"
+        pct = lambda k: f"{p[k] * 100:+.1f}%" if p.get(k) is not None else "-"     # noqa: E731
+        print(f"  {link:>10s} {pct('offload1_vs_plain'):>12s} {pct('offload2p_vs_plain'):>14s} "
+              f"{pct('gain_x2_vs_x1'):>11s} {p.get('copy_to_backward_ratio', float('nan')):>14.3f}")
+    print("  " + format_derived(result["derived"]))
     disable_offloaded_checkpointing(model, release_pool=True)
     del model
     if cuda:
