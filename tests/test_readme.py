@@ -34,9 +34,23 @@ def python_blocks() -> list[str]:
 
 
 def test_results_tables_equal_what_the_committed_results_give():
+    names = []
+    for path in report.DOCS:
+        text = path.read_text()
+        names += re.findall(r"<!-- results:(\w+) -->", text)
+        assert report.render(text) == text, f"{path.name}: regenerate with: python -m fastsft_lab results --readme"
+    assert sorted(names) == sorted(report.TABLES)               # every table once, in the README or docs/results.md
+    assert "results:headline" in README.read_text()
+
+
+def test_the_readme_is_a_front_page():
     text = README.read_text()
-    assert text.count("<!-- results:") == len(report.TABLES)
-    assert report.render(text) == text, "regenerate with: python -m fastsft_lab results --readme"
+    assert len(text.splitlines()) <= 250
+    head = text[:text.index("## Quick start")]
+    assert "docs/headline.png" in head and "<!-- results:headline -->" in head     # chart and table above the fold
+    assert (README.parent / "docs" / "headline.png").stat().st_size > 10_000
+    for link in re.findall(r"\]\((docs/[\w.]+)\)", text):
+        assert (README.parent / link).exists(), link
 
 
 def test_the_readme_has_its_code():

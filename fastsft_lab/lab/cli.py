@@ -107,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     res = sub.add_parser("results", help="list the committed benchmark results, or rebuild their packaged index")
     res.add_argument("--index", action="store_true", help="rewrite fastsft_lab/lab/data/results.json from "
                                                           "benchmarks/results (run in a clone)")
-    res.add_argument("--readme", action="store_true", help="regenerate README.md's results tables from the "
-                                                           "committed results")
+    res.add_argument("--readme", action="store_true", help="regenerate the README headline and docs/results.md from "
+                                                           "the committed results")
     return parser
 
 
@@ -241,6 +241,7 @@ def run_results(args) -> int:
             print("wrote", results.write_index())
         if args.readme:
             print("wrote", report.write_readme())
+            print("wrote", report.write_headline_chart())
         return 0
     docs = results.all_results()
     for d in sorted(docs, key=lambda d: d["_path"]):

@@ -599,6 +599,37 @@ def plot_training_check(exact: dict, along: dict, title: str = ""):
     return fig
 
 
+def plot_headline(rows: Sequence[dict]):
+    """Per model: step-time speed of all fast and of Unsloth against stock transformers (1.00x), and peak memory,
+    from ``report.headline_rows``."""
+    plt = _plt()
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(10.5, 3.4))
+    colors = {"stock": _GREY, "fastsft": _BLUE, "Unsloth": _ORANGE}
+    width = 0.26
+    for j, (ax, key, label) in enumerate(((axes[0], "speed", "speed vs stock transformers (higher is better)"),
+                                          (axes[1], "peak_gib", "peak memory, GiB (lower is better)"))):
+        for i, model in enumerate(models):
+            mine = [r for r in rows if r["model"] == model]
+            for k, r in enumerate(mine):
+                color = next(c for name, c in colors.items() if name in r["system"])
+                bar = ax.bar(i + (k - 1) * width, r[key], width, color=color,
+                             label=r["system"].split(" (")[0] if i == 0 else None)
+                _label_bars(ax, bar, [r[key]], [r[key]], fmt="{:.2f}x" if key == "speed" else "{:.1f}")
+        ax.set_xticks(range(len(models)))
+        ax.set_xticklabels(models, fontsize=8)
+        ax.set_title(label, fontsize=9)
+        ax.set_ylim(0, 1.15 * max(r[key] for r in rows))     # room for the labels over the tallest bar
+        if j == 0:
+            ax.axhline(1.0, color=_GREY, lw=0.8, ls="--")
+            ax.legend(fontsize=7, loc="upper right")
+    env = rows[0]["env"]
+    fig.suptitle(f"{env.get('gpu_name')}, same batches per model, medians of interleaved steps "
+                 f"(runs {', '.join(sorted({r['run'] for r in rows}))})", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def peer_rows(peer: Sequence[dict], same: Sequence[dict]) -> list[tuple[str, float, int | None, int | None]]:
     """One comparison of :func:`.results.peer_results` as rows ``(name, median step ms, peak bytes, host syncs)``:
     the peer's runs first, then our transformers default / all naive / all fast per kernel floor."""
