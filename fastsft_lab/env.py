@@ -72,16 +72,50 @@ class DeviceProfile:
                 f"packed backends {', '.join(self.packed_backends)}")
 
 
+# Smaller GPUs, emulated on a larger one (FASTSFT_DEVICE_PROFILE=NAME): their dtype, their kernels and their memory,
+# the memory enforced with torch.cuda.set_per_process_memory_fraction, so that a run shows what fits there.
+EMULATED_PROFILES: dict[str, dict] = {
+    "t4": dict(name="T4-class (emulated)", capability=(7, 5), memory_gib=15.0, dtype=torch.float16, flash=False),
+    "24gb": dict(name="24 GB consumer card (emulated)", capability=(8, 9), memory_gib=22.0, dtype=torch.bfloat16,
+                 flash=True),
+}
+PROFILE_ENV = "FASTSFT_DEVICE_PROFILE"
+
+
 def device_profile(device: torch.device | str | None = None) -> DeviceProfile:
-    """The :class:`DeviceProfile` of ``device`` (default: the current CUDA device, else the CPU)."""
+    """The :class:`DeviceProfile` of ``device`` (default: the current CUDA device, else the CPU).
+
+    With ``FASTSFT_DEVICE_PROFILE=t4`` or ``=24gb`` on a larger GPU, the profile of that smaller card instead: its
+    dtype (float16 on a T4), its attention kernels (sdpa / eager below sm80) and its memory, capped for this process
+    with ``torch.cuda.set_per_process_memory_fraction`` (15 and 22 GiB).
+    """
     device = torch.device(device) if device is not None else default_device()
+    emulate = os.environ.get(PROFILE_ENV, "").strip().lower()
+    if emulate and emulate not in EMULATED_PROFILES:
+        raise ValueError(f"{PROFILE_ENV}={emulate!r} is not a device profile; valid: {', '.join(EMULATED_PROFILES)}")
     if device.type != "cuda":
+        if emulate:
+            raise ValueError(f"{PROFILE_ENV}={emulate} emulates a smaller GPU on a larger one: it needs a CUDA GPU")
         return DeviceProfile("cpu", "CPU", None, 0.0, False, torch.float32, False)
     props = torch.cuda.get_device_properties(device)
+    total = props.total_memory / 2**30
+    if emulate:
+        p = EMULATED_PROFILES[emulate]
+        if p["memory_gib"] > total:
+            raise ValueError(f"{PROFILE_ENV}={emulate} needs {p['memory_gib']:.0f} GiB; {props.name} has {total:.0f}")
+        torch.cuda.set_per_process_memory_fraction(p["memory_gib"] / total, device)
+        return DeviceProfile("cuda", p["name"], p["capability"], p["memory_gib"], False, p["dtype"], p["flash"])
     cap = (props.major, props.minor)
     sm80 = cap >= (8, 0)
-    return DeviceProfile("cuda", props.name, cap, props.total_memory / 2**30, bool(getattr(props, "is_integrated", 0)),
+    return DeviceProfile("cuda", props.name, cap, total, bool(getattr(props, "is_integrated", 0)),
                          torch.bfloat16 if sm80 else torch.float16, sm80)
+
+
+def need_fits(profile: DeviceProfile, need_gib: float, what: str) -> None:
+    """Refuse in one line a choice that needs more memory than ``profile`` has, naming both."""
+    if profile.device == "cuda" and need_gib > profile.memory_gib:
+        raise ValueError(f"{what} needs {need_gib:.0f} GiB; {profile.name} has {profile.memory_gib:.0f} GiB "
+                         f"({PROFILE_ENV}={os.environ.get(PROFILE_ENV) or 'unset'}): pick a smaller choice")
 
 
 def package_version(name: str) -> str | None:

@@ -34,3 +34,37 @@ def test_cpu_profile():
     p = env.device_profile("cpu")
     assert p.device == "cpu" and p.dtype == torch.float32 and p.packed_backends == ["sdpa"]
     assert p.pick({"qwen3-0.6b": 6}) is None
+
+
+def test_emulated_device_profiles_refuse_in_one_line_where_they_cannot_apply(monkeypatch):
+    from fastsft_lab.env import EMULATED_PROFILES, PROFILE_ENV, DeviceProfile, device_profile, need_fits
+
+    assert set(EMULATED_PROFILES) == {"t4", "24gb"}
+    assert EMULATED_PROFILES["t4"]["dtype"] == torch.float16 and not EMULATED_PROFILES["t4"]["flash"]
+    assert EMULATED_PROFILES["24gb"]["memory_gib"] == 22.0
+    monkeypatch.setenv(PROFILE_ENV, "a100")
+    with pytest.raises(ValueError, match="is not a device profile; valid: t4, 24gb"):
+        device_profile("cpu")
+    monkeypatch.setenv(PROFILE_ENV, "t4")
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        device_profile("cpu")
+    monkeypatch.delenv(PROFILE_ENV)
+    assert device_profile("cpu").device == "cpu"
+    t4 = DeviceProfile("cuda", "T4-class (emulated)", (7, 5), 15.0, False, torch.float16, False)
+    assert t4.packed_backends == ["sdpa"] and t4.pick({"qwen3-14b": 40, "qwen3-0.6b": 12}) == "qwen3-0.6b"
+    need_fits(t4, 12, "qwen3-0.6b")
+    with pytest.raises(ValueError, match="qwen3-14b needs 40 GiB; T4-class \\(emulated\\) has 15 GiB"):
+        need_fits(t4, 40, "qwen3-14b")
+
+
+def test_double_buffer_warns_once_on_unified_memory():
+    from fastsft_lab.offload.switch import _WARNED_UNIFIED, resolve_device, warn_unified_memory
+
+    dev = torch.device("cuda", 7)
+    _WARNED_UNIFIED.discard(dev)
+    with pytest.warns(UserWarning, match="unified memory"):
+        assert warn_unified_memory(dev, 2, integrated=True)
+    assert not warn_unified_memory(dev, 2, integrated=True)          # once per device
+    assert not warn_unified_memory(torch.device("cuda", 6), 1, integrated=True)   # one buffer: nothing to warn
+    assert not warn_unified_memory(torch.device("cuda", 5), 2, integrated=False)
+    assert resolve_device(torch.device("cpu")) == torch.device("cpu")

@@ -126,13 +126,17 @@ def _quiet_optional_notices() -> None:
 
 def run_bench(args) -> int:
     _quiet_optional_notices()
-    from ..env import default_device, describe, smoke_mode
+    from ..env import default_device, describe, device_profile, smoke_mode
 
     if args.device not in (None, "cpu", "cuda") and not str(args.device).startswith("cuda:"):
         raise UsageError(f"--device must be cpu or cuda, got {args.device!r}")
     device = torch.device(args.device) if args.device else default_device()
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for, but torch.cuda.is_available() is False on this machine")
+    try:   # FASTSFT_DEVICE_PROFILE=t4|24gb: a smaller GPU's memory cap for this process (env.device_profile)
+        profile = device_profile(device)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     smoke = smoke_mode() if args.smoke is None else args.smoke
     if device.type == "cpu" and not smoke:
         print("note: --full on a CPU builds real-size models; expect it to be very slow", file=sys.stderr)
@@ -154,6 +158,8 @@ def run_bench(args) -> int:
     out_dir = args.out or _default_out(device)
     os.makedirs(out_dir, exist_ok=True)
     print(f"fastsft_lab bench | {describe()} | device={device} smoke={smoke} | out={out_dir}")
+    if device.type == "cuda":
+        print(f"device profile: {profile.describe()}")
     if device.type == "cpu":
         print("CPU run: tiny models, one thread per scenario. The timings show each mechanism (host syncs removed, "
               "metadata built once, copies scheduled), not GPU speed; GPU figures: README and benchmarks/results.")

@@ -9,6 +9,7 @@ Use with TRL/Trainer: leave ``gradient_checkpointing=False`` in the trainer argu
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
@@ -38,6 +39,33 @@ def _restore(module: nn.Module, saved: tuple) -> None:
             module.__dict__.pop(name, None)
         else:
             module.__dict__[name] = value
+
+
+def resolve_device(dev: torch.device) -> torch.device:
+    """``cuda`` without an index is the process's current device (a rank's own under torchrun), never cuda:0."""
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+_WARNED_UNIFIED: set = set()
+
+
+def warn_unified_memory(dev: torch.device, buffers: int, *, integrated: bool | None = None) -> bool:
+    """Once per device: on a GPU that shares its memory with the host (DGX Spark / GB10, Jetson), offloading moves
+    nothing off the GPU's memory and the second staging buffer only costs time and memory (Unsloth turns its double
+    buffer off there). Returns whether it warned."""
+    if buffers != 2 or dev.type != "cuda" or dev in _WARNED_UNIFIED:
+        return False
+    if integrated is None:
+        integrated = bool(getattr(torch.cuda.get_device_properties(dev), "is_integrated", 0))
+    if not integrated:
+        return False
+    _WARNED_UNIFIED.add(dev)
+    warnings.warn(f"{dev}: unified memory (the GPU shares "
+                  "the host's memory), so offloaded checkpointing frees nothing and the second staging buffer only "
+                  "adds copies; standard checkpointing (offload_buffers=0) is the better choice here", stacklevel=3)
+    return True
 
 
 def enable_offloaded_checkpointing(model: nn.Module, buffers: int = 2, prefetch: bool | None = None, *,
@@ -72,10 +100,13 @@ def enable_offloaded_checkpointing(model: nn.Module, buffers: int = 2, prefetch:
         if not hasattr(layer, "gradient_checkpointing"):
             raise ValueError(f"decoder layer {i} ({type(layer).__name__}) is not a transformers "
                              "GradientCheckpointingLayer: offloaded checkpointing plugs in through that class")
-    dev = torch.device(device) if device is not None else model_device(model)
+    dev = resolve_device(torch.device(device) if device is not None else model_device(model))
+    warn_unified_memory(dev, buffers)
     manager = _MANAGERS.get(key)
-    if manager is None or manager.device.type != dev.type or streams is not None:
-        pool = manager.pool if manager is not None and manager.device.type == dev.type else None
+    if manager is None or manager.device != dev or streams is not None:
+        # one manager (pinned pool, staging buffers, copy stream) per model and device: a model moved to another
+        # GPU of the process (a rank's own) gets its own, never the first device's
+        pool = manager.pool if manager is not None and manager.device == dev else None
         if manager is not None:
             manager.release_staging()
         manager = OffloadManager(dev, buffers, prefetch, preserve_rng_state=preserve_rng_state,
