@@ -84,7 +84,7 @@ def disable_dispatch_modes():
     return _disable_current_modes()
 
 
-def flex_transpose_ordered():
+def flex_block_transpose():
     """flex attention's ``_transpose_ordered`` (block tables of the backward from the forward's; torch 2.5-2.13),
     or None where torch has none (the backward tables are then derived on the device)."""
     try:
@@ -146,7 +146,7 @@ def set_experts_implementation_of(config, value: str) -> None:
 
 
 __all__ += ["saved_tensors_hooks_enabled", "checkpoint_valid", "assert_async", "dispatch_modes",
-            "disable_dispatch_modes", "TorchDispatchMode", "pytree", "flex_transpose_ordered", "has_triton",
+            "disable_dispatch_modes", "TorchDispatchMode", "pytree", "flex_block_transpose", "has_triton",
             "flash_attention_ops", "flash_forward_arguments", "output_collector", "flash_packed_helpers",
             "set_experts_implementation_of"]
 

@@ -82,7 +82,7 @@ def test_the_prebuilt_parts_are_what_the_backends_use(monkeypatch):
     # the CPU the device tensors are the prebuilt host tensors themselves
     pre = prebuild_metadata(PackedMetadata.from_lengths(ROWS["padding-tail"]), "flex", windows=(None, 64))
     monkeypatch.setattr(FX, "host_block_tables", lambda *a, **k: pytest.fail("flex tables rebuilt in the step"))
-    monkeypatch.setattr(FX, "flex_transpose_ordered", lambda: pytest.fail("flex tables rebuilt in the step"))
+    monkeypatch.setattr(FX, "flex_block_transpose", lambda: pytest.fail("flex tables rebuilt in the step"))
     with SyncCounter(device="cpu") as c:
         assert pre.to("cpu") is pre
         masks = [FX.block_mask(pre, "cpu", w) for w in (None, 64)]

@@ -70,7 +70,7 @@ def test_every_torch_accessor_works_on_this_torch():
     assert hasattr(C.TorchDispatchMode, "__torch_dispatch__")
     with C.disable_dispatch_modes():
         pass
-    assert callable(C.flex_transpose_ordered()), "torch moved flex_attention._transpose_ordered"
+    assert callable(C.flex_block_transpose()), "torch moved flex_attention._transpose_ordered"
     assert isinstance(C.has_triton(), bool)
     ops = C.flash_attention_ops()
     assert ops is not None, "torch moved aten._flash_attention_forward/backward"

@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..._compat import (disable_dispatch_modes, dispatch_modes, dynamo_config, dynamo_errors, flex_transpose_ordered,
+from ..._compat import (disable_dispatch_modes, dispatch_modes, dynamo_config, dynamo_errors, flex_block_transpose,
                         has_triton)
 from ..._util import round_up
 from ..metadata import PackedMetadata, norm_device, norm_window
@@ -118,9 +118,10 @@ def _padded_ids(ids: torch.Tensor) -> torch.Tensor:
 
 def host_block_mask_tables(meta: PackedMetadata, window: int | None) -> torch.Tensor | None:
     """Every table of ``meta``'s BlockMask on the host, flattened into one int32 CPU tensor: the forward tables of
-    :func:`host_block_tables`, then the backward (q-side) ones, by torch's own ``_transpose_ordered`` -- what
-    ``BlockMask.from_kv_blocks`` runs on the device in the lazy path, so the values are the same."""
-    transpose = flex_transpose_ordered()
+    :func:`host_block_tables`, then the backward (q-side) ones, by torch's own block-table transpose (flex_attention's
+    helper, through ``_compat``) -- what ``BlockMask.from_kv_blocks`` runs on the device in the lazy path, so the
+    values are the same."""
+    transpose = flex_block_transpose()
     if transpose is None:
         return None
     pn, pi, fn, fi = host_block_tables(meta.seq_lengths, meta.row_tokens, norm_window(window, meta.row_tokens))

@@ -31,7 +31,7 @@ def naive_varlen_args(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
 
     Faithful to ``modeling_flash_attention_utils`` (5.x), which every attention layer runs when it gets packed
     ``position_ids`` and no ``cu_seq_lens``; we call its own functions. Syncs per layer: 3 --
-    ``_is_packed_sequence`` returns a device bool that Python branches on (1), ``prepare_fa_kwargs_from_position_ids``
+    its packed-sequence check returns a device bool that Python branches on (1), ``prepare_fa_kwargs_from_position_ids``
     calls ``nonzero`` whose output size lives on the device (2), and the kernel takes ``max_seqlen`` as a Python
     int, read back from the device (3).
     """
