@@ -12,7 +12,7 @@ from fastsft_lab.callbacks import StepStatsCallback
 from fastsft_lab.data import synthetic_corpus
 from fastsft_lab.lab import convergence
 from fastsft_lab.models import LoraSettings, build_model, get_preset
-from fastsft_lab.packing import PackedCollator, packed_inputs
+from fastsft_lab.packing import PackedCollator
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
