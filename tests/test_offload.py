@@ -1208,3 +1208,19 @@ def test_check_equivalence_forces_use_cache_off():
     model.config.use_cache = True                      # as a model loaded with from_pretrained has it
     eq = EV.check_equivalence(model, _batch().model_inputs(), modes=[(2, True)])
     assert eq["standard_vs_no_checkpointing"] and eq["offload x2 + prefetch"]["vs_no_checkpointing"]
+
+
+def test_the_pool_refuses_in_one_line_before_host_memory_runs_out(monkeypatch):
+    """The pinned pool checks the node's available memory before each new slot and names what it needs per rank and
+    for every rank on the node, rather than letting the host run out of memory."""
+    from fastsft_lab.offload import pool as P
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(P, "host_memory_available", lambda: P.HOST_RESERVE_BYTES + 3 * 2**20)
+    p = P.PinnedPool(pin=False)
+    p.acquire(2**20)                                           # 1 MiB fits next to the reserve
+    with pytest.raises(RuntimeError, match=r"host memory would run out: .* needs 4\.00 GiB more .* 4 rank\(s\)"):
+        p.acquire(4 * 2**30)
+    assert p.num_slots == 1                                    # nothing allocated by the refused request
+    monkeypatch.setattr(P, "host_memory_available", lambda: None)   # unknown (not Linux): no check
+    assert P.local_ranks() == 4 and p.acquire(2**20) == 1

@@ -3,12 +3,34 @@
 from __future__ import annotations
 
 import heapq
+import os
 import threading
 from typing import Sequence
 
 import torch
 
 from .._util import pow2_ceil
+
+
+# What the pool leaves to everything else on the host (the OS, the DataLoader workers, the other ranks' growth).
+HOST_RESERVE_BYTES = 2 * 2**30
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory available now (Linux ``MemAvailable``), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def local_ranks() -> int:
+    """Processes of this job on this node (torchrun / accelerate set ``LOCAL_WORLD_SIZE``; 1 otherwise)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
 
 
 class PinnedPool:
@@ -44,8 +66,19 @@ class PinnedPool:
         return len(self._slots) - len(self._free)
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
+        size = pow2_ceil(nbytes)
+        avail = host_memory_available()
+        if avail is not None and size + HOST_RESERVE_BYTES > avail:
+            ranks = local_ranks()
+            need = self.nbytes + size
+            raise RuntimeError(
+                f"offloaded checkpointing: host memory would run out: this process holds {self.nbytes / 2**30:.2f} GiB "
+                f"of {'pinned ' if self.pin else ''}layer inputs and needs {size / 2**30:.2f} GiB more "
+                f"({need / 2**30:.2f} GiB per rank, about {ranks * need / 2**30:.1f} GiB for the {ranks} rank(s) on "
+                f"this node), with {avail / 2**30:.2f} GiB available and {HOST_RESERVE_BYTES / 2**30:.0f} GiB kept "
+                "free: fewer tokens per step, fewer ranks per node, or standard checkpointing (offload_buffers=0)")
         self.allocations += 1
-        return torch.empty(pow2_ceil(nbytes), dtype=torch.uint8, pin_memory=self.pin)
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
 
     def acquire(self, nbytes: int) -> int:
         """A free slot of at least ``nbytes`` (lowest index first; grown or created when needed)."""
