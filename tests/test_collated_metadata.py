@@ -10,7 +10,7 @@ import torch
 
 from fastsft_lab.data import pack_examples, synthetic_corpus
 from fastsft_lab.models import LoraSettings, build_model
-from fastsft_lab.packing import (PackedCollator, PackedMetadata, disable_packed_attention, enable_packed_attention,
+from fastsft_lab.packing import (BuildLog, PackedCollator, PackedMetadata, disable_packed_attention, enable_packed_attention,
                                  packed_inputs, prebuild_metadata)
 from fastsft_lab.packing.backends import flex as FX, sdpa as S, xformers as XF
 from fastsft_lab.profiling import SyncCounter
@@ -83,11 +83,11 @@ def test_the_prebuilt_parts_are_what_the_backends_use(monkeypatch):
     pre = prebuild_metadata(PackedMetadata.from_lengths(ROWS["padding-tail"]), "flex", windows=(None, 64))
     monkeypatch.setattr(FX, "host_block_tables", lambda *a, **k: pytest.fail("flex tables rebuilt in the step"))
     monkeypatch.setattr(FX, "flex_block_transpose", lambda: pytest.fail("flex tables rebuilt in the step"))
-    with SyncCounter(device="cpu") as c:
+    with SyncCounter(device="cpu") as c, BuildLog() as log:
         assert pre.to("cpu") is pre
         masks = [FX.block_mask(pre, "cpu", w) for w in (None, 64)]
     assert c.total == 0
-    assert pre.builds["block_mask"] == 2
+    assert log.cached["block_mask"] == 2 and not log.naive
     host = pre._host
     t = pre.tensors("cpu")
     assert t.cu_seqlens is host[("tensors",)][0] and t.seq_ids is host[("tensors",)][1]

@@ -915,12 +915,14 @@ def test_recompute_reuses_packed_metadata():
     inputs = packed.packed_inputs(batch)
     meta = inputs["packed_metadata"]
     ref = _standard(model, dict(inputs, packed_metadata=packed.packed_inputs(batch)["packed_metadata"]))
-    with torch.no_grad():
-        model(**inputs)
-    builds_after_forward = dict(meta.builds)
-    assert builds_after_forward, "the forward built no metadata"
-    got = _offloaded(model, inputs, 2, True)
-    assert dict(meta.builds) == builds_after_forward, "the offloaded recompute rebuilt packed metadata"
+    with packed.BuildLog() as log:
+        with torch.no_grad():
+            model(**inputs)
+        builds_after_forward = dict(log.cached)
+        assert builds_after_forward, "the forward built no metadata"
+        got = _offloaded(model, inputs, 2, True)
+    assert dict(log.cached) == builds_after_forward, "the offloaded recompute rebuilt packed metadata"
+    assert not log.naive
     _assert_same(ref, got)
     packed.disable_packed_attention(model)
 

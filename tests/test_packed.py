@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fastsft_lab.evidence import cross_contamination, packed_vs_alone, packed_vs_alone_moe
-from fastsft_lab.packing import NAIVE_BUILDS, BACKENDS, PackedMetadata
+from fastsft_lab.packing import BACKENDS, BuildLog, PackedMetadata
 from fastsft_lab.packing.backends import eager as E, flex as FX, sdpa as S, varlen as V, xformers as XF
 from fastsft_lab.packing.backends.sdpa import naive_dense_mask
 from fastsft_lab.packing.backends.varlen import naive_varlen_args
@@ -185,17 +185,19 @@ def test_checkpoint_recompute_reuses_metadata(preset):
         enable_packed_attention(model, "sdpa", cache=True)
         inputs = packed_inputs(batch)
         meta = inputs["packed_metadata"]
-        model(**inputs).loss.backward()
+        with BuildLog() as log:
+            model(**inputs).loss.backward()
         assert len(seen) == 2, "layer 0 ran forward + checkpoint recompute"
         assert seen[0] is meta and seen[1] is meta
         # one device copy, one mask per distinct window -- not per layer, not per recompute
-        assert meta.builds["tensors"] == 1
-        assert meta.builds["dense" if preset == "tiny-qwen3" else "dense_sink"] == len(windows)
+        assert log.cached["tensors"] == 1
+        assert log.cached["dense" if preset == "tiny-qwen3" else "dense_sink"] == len(windows)
+        assert not log.naive
 
         set_packed_metadata_cache(model, False)  # the naive path rebuilds in every layer, twice with recompute
-        before = NAIVE_BUILDS["dense"]
-        model(**packed_inputs(batch)).loss.backward()
-        assert NAIVE_BUILDS["dense"] - before == 2 * n_layers
+        with BuildLog() as log:
+            model(**packed_inputs(batch)).loss.backward()
+        assert log.naive["dense"] == 2 * n_layers
     finally:
         disable_packed_attention(model)
         base_model(model).model.layers[0].self_attn.forward = original
@@ -482,7 +484,9 @@ def test_metadata_host_values_and_device_tensors():
     assert t.cu_seqlens.dtype == torch.int32 and t.cu_seqlens.tolist() == [0, 3, 8, 10, 14, 20]
     assert t.seq_ids.tolist() == [0] * 3 + [1] * 5 + [2] * 2 + [3] * 4 + [4] * 6
     assert t.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 0, 1], [0, 1, 2, 3, 0, 1, 2, 3, 4, 5]]
-    assert meta.tensors("cpu") is t and meta.builds["tensors"] == 1
+    with BuildLog() as log:
+        assert meta.tensors("cpu") is t                   # cached: asking again builds nothing
+    assert not log.cached and not log.naive
     flat = PackedMetadata.from_lengths([4, 4])
     assert flat.seq_lengths == ((4, 4),) and flat.row_tokens == 8
 

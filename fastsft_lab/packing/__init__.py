@@ -31,8 +31,8 @@ correct, where stock transformers lets packed sequences attend to each other
 
 from . import backends  # noqa: F401  (registers every backend, once)
 from .collator import PackedCollator, packed_inputs
-from .metadata import DeviceTensors, PackedMetadata, normalize_row_lengths
-from .registry import (NAIVE_BUILDS, Backend, BackendStatus, MaskSpec, attn_implementation_name, available_backends,
+from .metadata import BuildLog, DeviceTensors, PackedMetadata, normalize_row_lengths
+from .registry import (Backend, BackendStatus, MaskSpec, attn_implementation_name, available_backends,
                        backend_names, get_backend, prebuild_metadata, prepare_metadata, register_backend)
 from .switch import (check_packed_backend, disable_packed_attention, enable_packed_attention, packed_attention_state,
                      set_packed_metadata_cache)
@@ -42,7 +42,7 @@ ATTN_NAMES = {name: get_backend(name).attn_name for name in BACKENDS}
 
 __all__ = [
     "PackedMetadata", "DeviceTensors", "normalize_row_lengths", "PackedCollator", "packed_inputs", "Backend",
-    "BackendStatus", "MaskSpec", "BACKENDS", "ATTN_NAMES", "NAIVE_BUILDS", "register_backend", "get_backend",
+    "BackendStatus", "MaskSpec", "BACKENDS", "ATTN_NAMES", "BuildLog", "register_backend", "get_backend",
     "backend_names", "available_backends", "attn_implementation_name", "prepare_metadata", "prebuild_metadata",
     "enable_packed_attention", "disable_packed_attention", "set_packed_metadata_cache", "packed_attention_state",
     "check_packed_backend",

@@ -108,6 +108,37 @@ class DeviceTensors:
     position_ids: torch.Tensor  # (rows, row_tokens) int64: position inside its segment
 
 
+class BuildLog:
+    """A debug hook: while open, counts every packed-metadata object built, by path and kind --
+    ``log.naive["dense"]`` (the naive path's per-layer rebuilds), ``log.cached["tensors"]`` (built once per batch by
+    :class:`PackedMetadata`, then reused). Nothing is counted while no log is open::
+
+        with BuildLog() as log:
+            model(**batch).loss.backward()
+        log.naive, log.cached
+    """
+
+    def __init__(self):
+        self.naive: Counter = Counter()
+        self.cached: Counter = Counter()
+
+    def __enter__(self) -> "BuildLog":
+        _OPEN_LOGS.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _OPEN_LOGS.remove(self)
+
+
+_OPEN_LOGS: list[BuildLog] = []
+
+
+def note_build(path: str, kind: str) -> None:
+    """Tell every open :class:`BuildLog` that ``path`` ("naive" or "cached") built an object of ``kind``."""
+    for log in _OPEN_LOGS:
+        (log.naive if path == "naive" else log.cached)[kind] += 1
+
+
 @dataclass(init=False, eq=False, repr=False)
 class PackedMetadata:
     """Attention metadata of one packed batch, computed on the host, moved to devices lazily.
@@ -142,7 +173,6 @@ class PackedMetadata:
     max_seqlen: int = field(init=False)
     _cache: dict = field(init=False, repr=False)
     _host: dict = field(init=False, repr=False)       # prebuilt host parts: key -> CPU tensor(s) (see put_host)
-    builds: Counter = field(init=False, repr=False)   # backend objects built, per kind (tests count them)
 
     def __init__(self, seq_lengths: Sequence[Sequence[int]], row_tokens: int,
                  pad_lengths: Sequence[int] | None = None) -> None:
@@ -175,7 +205,6 @@ class PackedMetadata:
         object.__setattr__(self, "max_seqlen", max(lengths))
         object.__setattr__(self, "_cache", {})
         object.__setattr__(self, "_host", {})
-        object.__setattr__(self, "builds", Counter())
 
     # Read-only without ``frozen=True`` (see the module docstring: a frozen dataclass is a constant to dynamo).
     def __setattr__(self, name: str, value: Any) -> None:
@@ -356,7 +385,7 @@ class PackedMetadata:
         if hit is None:
             hit = build()
             self._cache[key] = hit
-            self.builds[key[0]] += 1
+            note_build("cached", key[0])
         return hit
 
     def tensors(self, device: torch.device | str) -> DeviceTensors:
@@ -437,4 +466,5 @@ def _part_to(part, device: torch.device):
     return part.to(device)
 
 
-__all__ = ["PackedMetadata", "DeviceTensors", "normalize_row_lengths", "norm_window", "norm_device", "HOST_TENSORS"]
+__all__ = ["PackedMetadata", "DeviceTensors", "normalize_row_lengths", "norm_window", "norm_device", "HOST_TENSORS",
+           "BuildLog", "note_build"]

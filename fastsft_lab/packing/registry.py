@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -83,10 +82,6 @@ class Backend:
 
 
 _BACKENDS: dict[str, Backend] = {}
-
-# Builds of backend objects by the naive path, per kind (tests count them; nothing reads them otherwise).
-NAIVE_BUILDS: Counter = Counter()
-
 
 def register_backend(backend: Backend) -> Backend:
     """Add ``backend`` to the registry and to transformers' ``AttentionInterface`` (once per backend)."""
@@ -258,6 +253,6 @@ def packed_attention(name: str, module: nn.Module, query: torch.Tensor, key: tor
                           training=module.training)
 
 
-__all__ = ["Backend", "BackendStatus", "NAIVE_BUILDS", "IGNORED_KWARGS", "check_attention_kwargs", "MaskSpec", "register_backend", "get_backend", "backend_names",
+__all__ = ["Backend", "BackendStatus", "IGNORED_KWARGS", "check_attention_kwargs", "MaskSpec", "register_backend", "get_backend", "backend_names",
            "attn_implementation_name", "available_backends", "prepare_metadata", "prebuild_metadata",
            "prebuild_backends", "packed_attention"]

@@ -117,7 +117,7 @@ batch = pack_examples(examples, 128, rows_per_batch=2)[0]
 meta = PackedMetadata.from_batch(batch)
 print("rows x tokens:", meta.shape, "| segments per row (padding tail last):", meta.seq_lengths)
 print("cu_seqlens (host):", meta.cu_seqlens, "| max_seqlen:", meta.max_seqlen)
-print("device objects built so far:", dict(meta.builds))
+print("device objects built so far: none (the device side is built on first use, in the first layer)")
 for name, st in available_backends(DEVICE).items():
     print(f"  {name:9s} {'runs' if st.available else 'no  '} {'(train)' if st.training else '       '} {st.reason}")
 '''),
@@ -309,18 +309,18 @@ rebuild it: one device copy and one mask per distinct window for the whole step,
 naive path.
 '''),
 ("code", r'''
-from fastsft_lab.packing import NAIVE_BUILDS
+from fastsft_lab.packing import BuildLog      # a debug hook: counts every metadata object built while open
 from fastsft_lab.models import decoder_layers
 
 ckpt = tiny("tiny-gpt-oss", gradient_checkpointing=True).train()
 enable_packed_attention(ckpt, "sdpa")
-inputs = packed_inputs(batch)
-ckpt(**inputs).loss.backward()
-cached_builds = dict(inputs["packed_metadata"].builds)
+with BuildLog() as cached_log:
+    ckpt(**packed_inputs(batch)).loss.backward()
+cached_builds = dict(cached_log.cached)
 set_packed_metadata_cache(ckpt, False)
-before = NAIVE_BUILDS["dense"]
-ckpt(**packed_inputs(batch)).loss.backward()
-naive_builds = NAIVE_BUILDS["dense"] - before
+with BuildLog() as naive_log:
+    ckpt(**packed_inputs(batch)).loss.backward()
+naive_builds = naive_log.naive["dense"]
 state = disable_packed_attention(ckpt)   # every switch returns the model's ModelState
 print("after disable_packed_attention: packed =", state.packed)
 '''),

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from ..._compat import (disable_dispatch_modes, dispatch_modes, dynamo_config, dynamo_errors, flex_block_transpose,
                         has_triton)
 from ..._util import round_up
-from ..metadata import PackedMetadata, norm_device, norm_window
-from ..registry import NAIVE_BUILDS, Backend, BackendStatus, register_backend
+from ..metadata import PackedMetadata, norm_device, norm_window, note_build
+from ..registry import Backend, BackendStatus, register_backend
 
 FLEX_RECOMPILE_LIMIT = 64
 FLEX_BLOCK = 128          # flex attention's default block size: BlockMasks are built for a multiple of it
@@ -185,7 +185,7 @@ def naive_block_mask(position_ids: torch.Tensor, window: int | None = None):
     "is this packed at all?" check (1 sync per layer), then ``create_block_mask`` in every layer: a layer-local
     attention function has nowhere to keep it.
     """
-    NAIVE_BUILDS["block_mask"] += 1
+    note_build("naive", "block_mask")
     rows, t = position_ids.shape
     first = position_ids[:, :1] - 1
     ids = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from ..._util import round_up
-from ..metadata import PackedMetadata, norm_device, norm_window
-from ..registry import NAIVE_BUILDS, Backend, BackendStatus, register_backend
+from ..metadata import PackedMetadata, norm_device, norm_window, note_build
+from ..registry import Backend, BackendStatus, register_backend
 from .common import repeat_kv, segment_lengths_naive
 
 
@@ -79,7 +79,7 @@ def naive_dense_mask(position_ids: torch.Tensor, dtype: torch.dtype, window: int
     ``get_packed_info``) (2), ``sum().item()`` for the mask size (3), ``tolist()`` to loop over the lengths (4);
     then a Python loop fills the T x T mask block by block (~6 small kernels per segment, per layer).
     """
-    NAIVE_BUILDS["dense"] += 1
+    note_build("naive", "dense")
     rows, t = position_ids.shape
     device = position_ids.device
     lengths = segment_lengths_naive(position_ids)            # sync 1

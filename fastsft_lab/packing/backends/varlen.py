@@ -17,8 +17,8 @@ import math
 import torch
 
 from ..._compat import assert_async, flash_attention_ops, flash_forward_arguments, flash_packed_helpers
-from ..metadata import PackedMetadata, norm_device
-from ..registry import NAIVE_BUILDS, Backend, BackendStatus, register_backend
+from ..metadata import PackedMetadata, norm_device, note_build
+from ..registry import Backend, BackendStatus, register_backend
 
 
 def varlen_args(meta: PackedMetadata, device) -> tuple[torch.Tensor, int]:
@@ -37,7 +37,7 @@ def naive_varlen_args(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """
     is_packed_sequence, prepare_fa_kwargs_from_position_ids = flash_packed_helpers()
 
-    NAIVE_BUILDS["varlen"] += 1
+    note_build("naive", "varlen")
     flat = position_ids.reshape(1, -1)
     if not is_packed_sequence(flat, batch_size=1):  # sync 1
         n = flat.shape[1]

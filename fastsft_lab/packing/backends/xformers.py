@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ..metadata import PackedMetadata, norm_device, norm_window
-from ..registry import NAIVE_BUILDS, Backend, BackendStatus, register_backend
+from ..metadata import PackedMetadata, norm_device, norm_window, note_build
+from ..registry import Backend, BackendStatus, register_backend
 from .common import quiet_logger, segment_lengths_naive
 
 
@@ -60,7 +60,7 @@ def xformers_bias(meta: PackedMetadata, device, window: int | None = None):
 
 def naive_xformers_bias(position_ids: torch.Tensor, window: int | None = None):
     """An xFormers bias rebuilt in the layer: ``nonzero`` (1) and ``tolist()`` (2) syncs per layer."""
-    NAIVE_BUILDS["xformers"] += 1
+    note_build("naive", "xformers")
     lengths = segment_lengths_naive(position_ids).tolist()
     return _bias(lengths, norm_window(window, position_ids.shape[1]), position_ids.device)
 
