@@ -41,7 +41,8 @@ def cells(mod) -> list[tuple[str, str]]:
     out = [("code", COLAB_INSTALL.strip("\n")) if kind == "colab" else (kind, text.strip("\n"))
            for kind, text in mod.CELLS]
     if out and out[0][0] == "md":
-        out[0] = ("md", out[0][1] + "\n\n" + GLOSSARY)
+        where = getattr(mod, "OUTPUTS", None)      # where the committed outputs come from, in the first cell
+        out[0] = ("md", out[0][1] + ("\n\n" + where.strip() if where else "") + "\n\n" + GLOSSARY)
     return out
 
 

@@ -1,5 +1,9 @@
 FILENAME = "01_packed_metadata.ipynb"
 
+# where the committed outputs come from (appended to the first cell by build.py)
+OUTPUTS = """**The outputs below** come from a CPU run in smoke mode (`SMOKE=1`, tiny models, torch 2.13, 2026-12-04); every
+GPU figure in them is read from the committed H200 results. On a GPU the same cells run at real width."""
+
 CELLS = [
 ("md", r'''
 # 01 — Packed-sequence metadata caching
