@@ -175,5 +175,3 @@ def grouped_mm_function():
 
 __all__ += ["dynamo_config", "dynamo_errors", "grouped_mm_function"]
 
-
-__all__ += ["pytree"]
