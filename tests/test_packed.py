@@ -824,6 +824,11 @@ def test_bench_scenario_smoke(tmp_path):
     assert set(rows) == {"sdpa naive", "sdpa cached", "sdpa cached (collated)", "sdpa oracle", "stock sdpa"}
     assert rows["sdpa naive"]["host_syncs_in_layers"] >= 3
     assert rows["sdpa cached"]["host_syncs_in_layers"] == 0 and rows["sdpa oracle"]["host_syncs_per_step"] == 0
+    # metadata objects built inside one step: the naive path per layer, twice under checkpointing (3 layers); the
+    # cached path one device copy and one mask; the oracle none (prebuilt); stock transformers' own masks are not ours
+    assert rows["sdpa naive"]["metadata_builds_per_step"] == 2 * 3
+    assert rows["sdpa cached"]["metadata_builds_per_step"] == 2 and rows["sdpa oracle"]["metadata_builds_per_step"] == 0
+    assert rows["stock sdpa"]["metadata_builds_per_step"] is None
     assert rows["sdpa cached (collated)"]["host_syncs_per_step"] == 0
     assert {"cached_vs_oracle_step", "collated_vs_oracle_step", "collated_step_speedup"} <= set(results[0]["speedups"])
     assert all(r["note"] for r in rows.values())

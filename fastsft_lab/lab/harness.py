@@ -26,6 +26,8 @@ from torch import nn
 from ..data import PackedBatch
 from ..env import environment
 from ..models import base_model
+from ..packing.metadata import BuildLog
+from ..packing.switch import packed_attention_state
 from ..profiling import PhaseTimer, SyncCounter, current_memory, peak_memory, percentiles, reset_peak_memory
 from .flops import batch_flops, peak_flops
 
@@ -278,14 +280,21 @@ def count_step_syncs(model: nn.Module, batch: PackedBatch, variant: Variant, *, 
         state = variant.prepare(batch) if variant.prepare else None
         counter = SyncCounter.for_decoder_layers(model, device=device, cross_check=device.type == "cuda")
         ctx = variant.context(model) if variant.context is not None else contextlib.nullcontext()
-        with counter, ctx:
+        with counter, ctx, BuildLog() as builds:
             if mode == "train":
                 _forward_loss(model, variant.inputs(batch, state)).backward()
             else:
                 with torch.no_grad():
                     _forward_loss(model, variant.inputs(batch, state))
         out = {"host_syncs_per_step": counter.total, "host_syncs_in_layers": counter.in_modules,
-               "host_syncs_by_kind": dict(counter.by_kind)}
+               "host_syncs_by_kind": dict(counter.by_kind),
+               # packed-metadata objects built inside the step (the naive path's per-layer rebuilds, or the
+               # cached path's one per batch and window; the collator's host-side builds are outside the step)
+               # (None where the variant runs the model's own attention: its masks are not ours to count)
+               "metadata_builds_per_step": (sum(builds.naive.values()) + sum(builds.cached.values())
+                                            if packed_attention_state(model) is not None else None),
+               "metadata_builds_by_kind": {**{f"naive {k}": v for k, v in builds.naive.items()},
+                                           **{f"cached {k}": v for k, v in builds.cached.items()}}}
         if counter.cuda_reported is not None:
             # CUDA's own count (torch.cuda.set_sync_debug_mode) of the same forward + backward, and where
             out["cuda_reported_syncs"] = counter.cuda_reported
@@ -362,13 +371,13 @@ def spreads_overlap(a: dict | None, b: dict | None) -> bool:
 def format_table(result: dict) -> str:
     """A short text table: median [p20-p80] per phase, the step's speed against the first variant (higher is
     better; ``~`` where the two p20-p80 spreads overlap, so this run does not tell them apart), MFU, host syncs per
-    step (and how many of them inside the decoder layers), peak GPU memory. A skipped variant is one quiet line,
-    an error says so."""
+    step (and how many of them inside the decoder layers), packed-metadata objects built in the step, peak GPU
+    memory. A skipped variant is one quiet line, an error says so."""
     rows = result["variants"]
     base = next((r for r in rows if "step_ms" in r), None)
     w = max([28] + [len(r["name"]) for r in rows])
     head = f"{'variant':{w}s} {'forward ms':>22s} {'backward ms':>22s} {'step ms':>22s} {'x step':>8s} " \
-           f"{'MFU':>6s} {'syncs/step':>10s} {'(in layers)':>11s} {'peak GiB':>8s}"
+           f"{'MFU':>6s} {'syncs/step':>10s} {'(in layers)':>11s} {'meta builds':>11s} {'peak GiB':>8s}"
     lines = [head, "-" * len(head)]
     overlaps = False
     for r in rows:
@@ -386,7 +395,9 @@ def format_table(result: dict) -> str:
             f"{r['name']:{w}s} {_fmt_ms(r.get('forward_ms')):>22s} {_fmt_ms(r.get('backward_ms')):>22s} "
             f"{_fmt_ms(r.get('step_ms')):>22s} {speed:6.2f}x{'~' if same else ' '} {mfu:>6s} "
             f"{str(r.get('host_syncs_per_step', '-')):>10s} "
-            f"{'(' + str(inl) + ')' if inl is not None else '-':>11s} {f'{peak / 2**30:8.2f}' if peak else '-':>8s}"
+            f"{'(' + str(inl) + ')' if inl is not None else '-':>11s} "
+            f"{str(r.get('metadata_builds_per_step') if r.get('metadata_builds_per_step') is not None else '-'):>11s} "
+            f"{f'{peak / 2**30:8.2f}' if peak else '-':>8s}"
         )
     if overlaps:
         lines.append(f"~ the step's p20-p80 overlaps {base['name']}'s: this run does not tell the two apart")
