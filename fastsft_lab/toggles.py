@@ -9,6 +9,9 @@ per-optimization modules (``fastsft_lab.packing``, ``.offload``, ``.moe``) have 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Callable
+
 from torch import nn
 
 from .models import base_model, decoder_layers, unwrap
@@ -27,14 +30,192 @@ def _check_model(model) -> None:
                          ) from None
 
 
+@dataclass(frozen=True)
+class Optimization:
+    """One switch of :func:`apply`, in the shape every switch has: ``validate(model, value, args)`` raises a one-line
+    error and changes nothing; ``enable(model, value, args)`` turns it on (or to another mode); ``disable(model)``
+    turns it off, exactly back to what the model had; ``off`` lists the values that mean off. ``args`` are all of
+    :func:`apply`'s arguments (a switch may depend on another: prefetch on offload, the cache on packed attention).
+    What is on is read by :func:`fastsft_lab.model_state.state`."""
+
+    name: str
+    validate: Callable[[nn.Module, Any, dict], None]
+    enable: Callable[[nn.Module, Any, dict], None]
+    disable: Callable[[nn.Module], None]
+    off: tuple = ()
+
+
+def _is_off(opt: Optimization, value) -> bool:
+    return any(value is o or (type(value) is type(o) and value == o) for o in opt.off)
+
+
+# -- packed attention (optimization 1) -------------------------------------------------------------------------------
+def _validate_packed(model, value, args) -> None:
+    from .packing.registry import get_backend
+    from .packing.switch import check_packed_backend
+
+    get_backend(value)                         # one line naming the valid backends
+    check_packed_backend(model, value)
+
+
+def _enable_packed(model, value, args) -> None:
+    from .packing.switch import enable_packed_attention
+
+    cache = args.get("packed_metadata_cache")
+    enable_packed_attention(model, value, cache=True if cache is None else cache)
+
+
+def _disable_packed(model) -> None:
+    from .packing.switch import disable_packed_attention, packed_attention_state
+
+    if packed_attention_state(model) is not None:
+        disable_packed_attention(model)
+
+
+def _validate_cache(model, value, args) -> None:
+    from .packing.switch import packed_attention_state
+
+    if not isinstance(value, bool):
+        raise ValueError(f"packed_metadata_cache must be True or False, got {value!r}")
+    packed = args.get("packed_attention")
+    if (packed is not None and _is_off(PACKED, packed)) or (packed is None and packed_attention_state(model) is None):
+        raise ValueError("packed_metadata_cache needs packed_attention=<backend> (now or in an earlier apply)")
+
+
+def _enable_cache(model, value, args) -> None:
+    from .packing.switch import set_packed_metadata_cache
+
+    if args.get("packed_attention") is None:   # with a backend, _enable_packed set the cache already
+        set_packed_metadata_cache(model, value)
+
+
+# -- offloaded checkpointing (optimization 2) ------------------------------------------------------------------------
+def _validate_offload(model, value, args) -> None:
+    from .offload.manager import _check_buffers
+
+    prefetch = args.get("prefetch")
+    if isinstance(value, bool) or not isinstance(value, int) or value not in (0, 1, 2):
+        raise ValueError(f"offload_buffers must be 0 (standard checkpointing), 1 or 2, got {value!r}")
+    if value:
+        _check_buffers(value, prefetch)
+    elif prefetch:
+        raise ValueError("prefetch needs offload_buffers=2")
+
+
+def _enable_offload(model, value, args) -> None:
+    from .offload.switch import (disable_offloaded_checkpointing, enable_offloaded_checkpointing,
+                                 enable_standard_checkpointing, is_offloaded)
+
+    if value == 0:                 # standard checkpointing: transformers' own, no copies
+        if is_offloaded(model):
+            disable_offloaded_checkpointing(model)
+        enable_standard_checkpointing(model)   # a no-op when checkpointing is on already
+    else:
+        enable_offloaded_checkpointing(model, value, args.get("prefetch"))
+
+
+def _disable_offload(model) -> None:
+    from .offload.switch import disable_offloaded_checkpointing, disable_standard_checkpointing, is_offloaded
+
+    if is_offloaded(model):
+        disable_offloaded_checkpointing(model, release_pool=True)
+    disable_standard_checkpointing(model)      # only what apply turned on; the user's own stays
+
+
+def _validate_prefetch(model, value, args) -> None:
+    buffers = args.get("offload_buffers")
+    if buffers is None or (isinstance(buffers, (str, bool)) and buffers in ("off", False)):
+        raise ValueError("prefetch needs offload_buffers=2")
+
+
+# -- MoE routing (optimization 3) ------------------------------------------------------------------------------------
+def _validate_moe(model, value, args) -> None:
+    from .moe.switch import check_moe_routing
+
+    check_moe_routing(model, value)
+
+
+def _enable_moe(model, value, args) -> None:
+    from .moe.switch import set_moe_routing
+
+    set_moe_routing(model, value)
+
+
+def _disable_moe(model) -> None:
+    from .moe.switch import moe_routing_switched, set_moe_routing
+
+    if moe_routing_switched(model):
+        set_moe_routing(model, None)
+
+
+# -- the fast-kernel floor -------------------------------------------------------------------------------------------
+def _validate_flag(name: str):
+    def check(model, value, args) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+    return check
+
+
+def _enable_fused_loss(model, value, args) -> None:
+    from .loss import enable_fused_loss
+
+    enable_fused_loss(model)
+
+
+def _disable_fused_loss(model) -> None:
+    from .loss import disable_fused_loss
+
+    disable_fused_loss(model)
+
+
+def _validate_fused_lora(model, value, args) -> None:
+    _validate_flag("fused_lora")(model, value, args)
+    if value:
+        from .lora import fused_lora_targets
+
+        if not fused_lora_targets(model):
+            raise ValueError(f"fused_lora=True needs PEFT LoRA linear layers; {type(base_model(model)).__name__} "
+                             "has none")
+
+
+def _enable_fused_lora(model, value, args) -> None:
+    from .lora import enable_fused_lora
+
+    enable_fused_lora(model)
+
+
+def _disable_fused_lora(model) -> None:
+    from .lora import disable_fused_lora
+
+    disable_fused_lora(model)
+
+
+def _nothing(model, *args) -> None:
+    return None
+
+
+PACKED = Optimization("packed_attention", _validate_packed, _enable_packed, _disable_packed, off=("off", False))
+# The switches in the order apply enables them (revert disables in the reverse order). packed_metadata_cache and
+# prefetch are modes of packed attention and of the offload: they have no "off" of their own.
+OPTIMIZATIONS: tuple[Optimization, ...] = (
+    PACKED,
+    Optimization("packed_metadata_cache", _validate_cache, _enable_cache, _nothing),
+    Optimization("offload_buffers", _validate_offload, _enable_offload, _disable_offload, off=("off", False)),
+    Optimization("prefetch", _validate_prefetch, _nothing, _nothing),
+    Optimization("moe_routing", _validate_moe, _enable_moe, _disable_moe, off=("off", False)),
+    Optimization("fused_loss", _validate_flag("fused_loss"), _enable_fused_loss, _disable_fused_loss, off=(False,)),
+    Optimization("fused_lora", _validate_fused_lora, _enable_fused_lora, _disable_fused_lora, off=(False,)),
+)
+
+
 def apply(
     model: nn.Module,
     *,
-    packed_attention: str | None = None,
+    packed_attention: str | bool | None = None,
     packed_metadata_cache: bool | None = None,
-    offload_buffers: int | None = None,
+    offload_buffers: int | str | bool | None = None,
     prefetch: bool | None = None,
-    moe_routing: str | None = None,
+    moe_routing: str | bool | None = None,
     fused_loss: bool | None = None,
     fused_lora: bool | None = None,
 ) -> ModelState:
@@ -44,114 +225,54 @@ def apply(
         packed_attention: attention backend for packed rows (``"sdpa"``, ``"varlen"``, ``"flex"``, ``"xformers"``,
             ``"flash"``, ``"eager"``); see :func:`fastsft_lab.packing.enable_packed_attention`. Packed batches then
             need no attention mask: pass ``position_ids`` (or ``packed_metadata=``, built once per batch).
+            ``"off"`` / False: the model's own attention again.
         packed_metadata_cache: True (default when a backend is set) builds the metadata once per batch; False is
             the naive per-layer rebuild, for comparison. Needs ``packed_attention`` (now or earlier).
         offload_buffers: 0 = standard checkpointing (no offload), 1 = offload with one staging buffer,
             2 = two staging buffers (overlapped reloads). Trade-off: saves one layer input per layer of GPU memory
             for ~2 x tokens x hidden bytes of staging and pinned host memory of the same size as what it saves.
+            ``"off"`` / False: no offload, and off again the checkpointing apply turned on (the user's own stays).
         prefetch: with ``offload_buffers=2``, reload layer k-1 while layer k's backward runs (default on).
         moe_routing: ``"naive"``, ``"grouped"`` (one host sync per MoE layer) or ``"sync_free"`` (none); MoE
-            models only.
+            models only. ``"off"`` / False: the experts implementation the model had.
         fused_loss: True computes the loss with :func:`fastsft_lab.loss.linear_cross_entropy` (no logits held, no
             host sync); the fast-kernel floor under the three optimizations, not one of them.
         fused_lora: True adds each PEFT LoRA adapter into its base layer's output with one in-place GEMM in the
             activations' dtype (:mod:`fastsft_lab.lora`); fast-kernel floor too. Refused for DoRA / LoRA biases.
 
+    Every argument left at None leaves its switch as it is; each switch is an :class:`Optimization` of
+    :data:`OPTIMIZATIONS`, validated all before any is changed.
+
     Returns:
         The model's state after the change.
     """
-    from .moe.switch import check_moe_routing
-    from .offload.manager import _check_buffers
-    from .packing.registry import get_backend
-    from .packing.switch import check_packed_backend, packed_attention_state
-
+    args = {"packed_attention": packed_attention, "packed_metadata_cache": packed_metadata_cache,
+            "offload_buffers": offload_buffers, "prefetch": prefetch, "moe_routing": moe_routing,
+            "fused_loss": fused_loss, "fused_lora": fused_lora}
     # validate everything first: a bad argument must not leave the model half switched
     _check_model(model)
     model = unwrap(model)            # DDP / torch.compile: the switches act on the module they wrap
-    if packed_attention is not None:
-        get_backend(packed_attention)
-        check_packed_backend(model, packed_attention)
-    if packed_metadata_cache is not None:
-        if not isinstance(packed_metadata_cache, bool):
-            raise ValueError(f"packed_metadata_cache must be True or False, got {packed_metadata_cache!r}")
-        if packed_attention is None and packed_attention_state(model) is None:
-            raise ValueError("packed_metadata_cache needs packed_attention=<backend> (now or in an earlier apply)")
-    if offload_buffers is not None:
-        if isinstance(offload_buffers, bool) or not isinstance(offload_buffers, int) or offload_buffers not in (0, 1, 2):
-            raise ValueError(f"offload_buffers must be 0 (standard checkpointing), 1 or 2, got {offload_buffers!r}")
-        if offload_buffers:
-            _check_buffers(offload_buffers, prefetch)
-        elif prefetch:
-            raise ValueError("prefetch needs offload_buffers=2")
-    elif prefetch is not None:
-        raise ValueError("prefetch needs offload_buffers=2")
-    if moe_routing is not None:
-        check_moe_routing(model, moe_routing)
-    if fused_loss is not None and not isinstance(fused_loss, bool):
-        raise ValueError(f"fused_loss must be True or False, got {fused_loss!r}")
-    if fused_lora is not None:
-        if not isinstance(fused_lora, bool):
-            raise ValueError(f"fused_lora must be True or False, got {fused_lora!r}")
-        if fused_lora:
-            from .lora import fused_lora_targets
-
-            if not fused_lora_targets(model):
-                raise ValueError(f"fused_lora=True needs PEFT LoRA linear layers; {type(base_model(model)).__name__} "
-                                 "has none")
-
-    if packed_attention is not None:
-        from .packing.switch import enable_packed_attention
-
-        enable_packed_attention(model, packed_attention,
-                                cache=True if packed_metadata_cache is None else packed_metadata_cache)
-    elif packed_metadata_cache is not None:
-        from .packing.switch import set_packed_metadata_cache
-
-        set_packed_metadata_cache(model, packed_metadata_cache)
-    if offload_buffers is not None:
-        from .offload.switch import (disable_offloaded_checkpointing, enable_offloaded_checkpointing,
-                                     enable_standard_checkpointing, is_offloaded)
-
-        if offload_buffers == 0:
-            if is_offloaded(model):
-                disable_offloaded_checkpointing(model)
-            enable_standard_checkpointing(model)   # a no-op when checkpointing is on already
+    for opt in OPTIMIZATIONS:
+        value = args[opt.name]
+        if value is not None and not _is_off(opt, value):
+            opt.validate(model, value, args)
+    for opt in OPTIMIZATIONS:
+        value = args[opt.name]
+        if value is None:
+            continue
+        if _is_off(opt, value):
+            opt.disable(model)
         else:
-            enable_offloaded_checkpointing(model, offload_buffers, prefetch)
-    if moe_routing is not None:
-        from .moe.switch import set_moe_routing
-
-        set_moe_routing(model, moe_routing)
-    if fused_loss is not None:
-        from .loss import disable_fused_loss, enable_fused_loss
-
-        (enable_fused_loss if fused_loss else disable_fused_loss)(model)
-    if fused_lora is not None:
-        from .lora import disable_fused_lora, enable_fused_lora
-
-        (enable_fused_lora if fused_lora else disable_fused_lora)(model)
+            opt.enable(model, value, args)
     return state(model)
 
 
 def revert(model: nn.Module) -> ModelState:
     """Undo every optimization fastsft_lab switched on for ``model``: back to its original behaviour."""
-    from .lora import disable_fused_lora
-    from .loss import disable_fused_loss
-    from .moe.switch import moe_routing_switched, set_moe_routing
-    from .offload.switch import disable_offloaded_checkpointing, disable_standard_checkpointing, is_offloaded
-    from .packing.switch import disable_packed_attention, packed_attention_state
-
     model = unwrap(model)
-    if packed_attention_state(model) is not None:
-        disable_packed_attention(model)
-    if is_offloaded(model):
-        disable_offloaded_checkpointing(model, release_pool=True)
-    disable_standard_checkpointing(model)
-    if moe_routing_switched(model):
-        set_moe_routing(model, None)
-    disable_fused_loss(model)
-    disable_fused_lora(model)
+    for opt in reversed(OPTIMIZATIONS):
+        opt.disable(model)
     return state(model)
 
 
-__all__ = ["apply", "revert", "state"]
+__all__ = ["apply", "revert", "state", "Optimization", "OPTIMIZATIONS"]

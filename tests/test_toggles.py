@@ -122,3 +122,63 @@ def test_offload_buffers_must_be_the_int_1_or_2(bad):
         with pytest.raises(ValueError, match="offload_buffers must be 0"):
             fastsft_lab.apply(model, offload_buffers=bad)
     assert fastsft_lab.state(model).checkpointing == "none"
+
+
+ROUND_TRIPS = [
+    ("tiny-qwen3", {"packed_attention": "sdpa"}, {"packed_attention": "off"}),
+    ("tiny-qwen3", {"offload_buffers": 2}, {"offload_buffers": "off"}),
+    ("tiny-qwen3", {"offload_buffers": 1}, {"offload_buffers": False}),
+    ("tiny-qwen3", {"fused_loss": True}, {"fused_loss": False}),
+    ("tiny-qwen3", {"fused_lora": True}, {"fused_lora": False}),
+    ("tiny-gpt-oss", {"moe_routing": "sync_free"}, {"moe_routing": "off"}),
+    ("tiny-gpt-oss", {"packed_attention": "sdpa"}, {"packed_attention": False}),
+]
+
+
+@pytest.mark.parametrize("preset,on,off", ROUND_TRIPS, ids=[f"{p}-{next(iter(o))}={v}" for p, o, f in ROUND_TRIPS
+                                                             for v in [next(iter(f.values()))]])
+def test_every_switch_goes_on_off_on_through_apply_with_state_and_bitwise_outputs(preset, on, off, one_cpu_thread):
+    """apply(switch=on) -> apply(switch=off) -> apply(switch=on) on one live model: off is the original model to the
+    bit (loss and every gradient) and the original state; on again is the first on, to the bit."""
+    from fastsft_lab.data import benchmark_batches
+    from fastsft_lab.models import LoraSettings, build_model
+
+    model = build_model(preset, device="cpu", dtype=torch.float32, lora=LoraSettings(rank=4), seed=1)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05)
+    batch = benchmark_batches(tokens_per_step=256, row_tokens=128, steps=1, vocab_size=256, mix="short")[0]
+
+    def step():
+        loss = model(**batch.model_inputs()).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return loss.detach(), grads
+
+    def same(a, b):
+        return torch.equal(a[0], b[0]) and a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k])
+                                                                             for k in a[1])
+
+    original_state, original = fastsft_lab.state(model), step()
+    first_state = fastsft_lab.apply(model, **on)
+    assert first_state != original_state
+    first = step()
+    assert fastsft_lab.apply(model, **off) == original_state
+    assert same(step(), original), "off is not the original model"
+    assert fastsft_lab.apply(model, **on) == first_state
+    assert same(step(), first), "on again is not the first on"
+    assert fastsft_lab.revert(model) == original_state
+
+
+def test_a_switch_turned_off_alone_leaves_the_others_on(moe_model):
+    fastsft_lab.apply(moe_model, packed_attention="sdpa", offload_buffers=2, moe_routing="sync_free", fused_loss=True)
+    s = fastsft_lab.apply(moe_model, moe_routing="off")
+    assert s.moe_routing is None and s.packed == "sdpa" and s.offload_buffers == 2 and s.fused_loss
+    s = fastsft_lab.apply(moe_model, packed_attention="off")
+    assert s.packed is None and s.offload_buffers == 2 and s.fused_loss
+    with pytest.raises(ValueError, match="packed_metadata_cache needs packed_attention"):
+        fastsft_lab.apply(moe_model, packed_attention="off", packed_metadata_cache=False)
+    with pytest.raises(ValueError, match="prefetch needs offload_buffers=2"):
+        fastsft_lab.apply(moe_model, offload_buffers="off", prefetch=True)
+    fastsft_lab.revert(moe_model)

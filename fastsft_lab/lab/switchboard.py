@@ -3,8 +3,8 @@
     sb = Switchboard(model, batches)       # batches: fastsft_lab.data.PackedBatch, on the model's device
     sb.show()                              # in Jupyter / Colab: the controls, the button and the chart
 
-Every control goes through :func:`fastsft_lab.apply` (and :func:`fastsft_lab.revert` for "off"), so what the panel
-shows is what a training script gets. Each run of N steps records, for the current setting, the median step time
+Every control goes through :func:`fastsft_lab.apply` ("off" included: each switch turns off on its own), so what the
+panel shows is what a training script gets. Each run of N steps records, for the current setting, the median step time
 (forward + backward + optimizer), the host syncs of one step's forward and backward and the peak GPU memory; the chart compares every
 setting run so far. The same object is driven from code (``sb.set(...)``, ``sb.run(n)``), which is how the tests
 check it on a CPU, and where no widget frontend is present (nbval, a terminal) :meth:`show` prints what it would
@@ -96,13 +96,13 @@ class Switchboard:
         return new
 
     def _apply(self, s: Setting) -> None:
-        fastsft_lab.revert(self.model)
-        kwargs = {"offload_buffers": s.buffers, "fused_loss": s.fused_loss}
+        # the whole setting in one apply: every switch on, in its mode, or "off" (no revert in between)
+        kwargs = {"offload_buffers": s.buffers, "fused_loss": s.fused_loss, "packed_attention": s.backend}
         if s.buffers == 2:
             kwargs["prefetch"] = s.prefetch
         if s.backend != "off":
-            kwargs.update(packed_attention=s.backend, packed_metadata_cache=s.cache)
-        if s.moe != "off":
+            kwargs["packed_metadata_cache"] = s.cache
+        if self.is_moe:
             kwargs["moe_routing"] = s.moe
         fastsft_lab.apply(self.model, **kwargs)
 
