@@ -508,6 +508,40 @@ def write_headline_chart(path: pathlib.Path = HEADLINE_PNG) -> str | None:
     return save_figure(plot_headline(rows), str(path))
 
 
+def combined_summary(tokens: int = 8192, autocast: str = "bf16") -> list[tuple[str, str, dict]]:
+    """Per model, at full depth, ``tokens`` per step and ``autocast``: one text table of every variant on both kernel
+    floors (step ms, speed over transformers' default on the same floor, host syncs, peak GiB), and the result whose
+    waterfall to draw (the floor that ran the most variants, the fast one on a tie). ``[(model, table, doc)]``."""
+    out = []
+    docs = [d for d in R.combined_results() if d["config"].get("tokens_per_step") == tokens
+            and d["config"].get("autocast", "none") == autocast and d["config"]["model"] in PRESETS
+            and d["config"].get("num_layers") == PRESETS[d["config"]["model"]].config.get("num_hidden_layers")]
+    for model in dict.fromkeys(d["config"]["model"] for d in docs):
+        mine = sorted((d for d in docs if d["config"]["model"] == model), key=lambda d: d["config"]["kernels"] != "none")
+        names = list(dict.fromkeys(v["name"] for d in mine for v in d["variants"] if "step_ms" in v))
+        head = "".join(f" | {'kernels ' + d['config']['kernels']:^31s}" for d in mine)
+        sub = "".join(f" | {'ms':>8s} {'x dflt':>6s} {'GiB':>6s} {'syncs':>6s}  " for _ in mine)
+        lines = [f"{model}, all {mine[0]['config']['num_layers']} layers, {tokens} tokens/step, autocast {autocast} "
+                 f"({R.describe_run(mine[0])})", f"  {'':30s}{head}", f"  {'variant':30s}{sub}"]
+        for name in names:
+            cells = ""
+            for d in mine:
+                rows = {v["name"]: v for v in d["variants"] if "step_ms" in v}
+                v, base = rows.get(name), rows.get("transformers default")
+                if v is None:
+                    cells += f" | {'not run':^31s}"
+                    continue
+                x = base["step_ms"]["median"] / v["step_ms"]["median"] if base else float("nan")
+                peak = f"{v['peak_mem_bytes'] / 2**30:6.1f}" if v.get("peak_mem_bytes") else f"{'-':>6s}"
+                cells += f" | {v['step_ms']['median']:8.1f} {x:5.2f}x {peak} {str(v.get('host_syncs_per_step', '-')):>6s}  "
+            lines.append(f"  {name:30s}{cells}")
+        lines.append("  x dflt: speed over transformers' default on the same floor (higher is better). Every run and "
+                     "every other configuration: docs/results.md")
+        pick = max(mine, key=lambda d: (len(d["variants"]), d["config"]["kernels"] != "none"))
+        out.append((model, "\n".join(lines), pick))
+    return out
+
+
 TABLES = {"headline": headline_table, "combined": combined_table, "packed": packed_table, "regime": regime_table, "offload": offload_table,
           "moe": moe_table, "soak": soak_table, "peer": peer_table, "offload_link": offload_link_table,
           "breakdown": breakdown_table}
@@ -532,5 +566,5 @@ def write_readme(paths=DOCS) -> str:
     return ", ".join(str(p) for p in paths)
 
 
-__all__ = ["TABLES", "render", "write_readme", "write_headline_chart", "headline_rows", "headline_table", "README",
+__all__ = ["TABLES", "combined_summary", "render", "write_readme", "write_headline_chart", "headline_rows", "headline_table", "README",
            "RESULTS_MD", "DOCS"]
