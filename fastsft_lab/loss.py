@@ -228,11 +228,79 @@ def fused_causal_lm_forward(self, input_ids=None, attention_mask=None, position_
     if moe:
         aux = None
         if router:
-            balance = sys.modules[type(self).__module__].load_balancing_loss_func
-            aux = balance(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
+            if self.__dict__.get(_SCOPE) == "global" and _world_size() > 1:
+                aux = load_balancing_loss_across_ranks(outputs.router_logits, self.num_experts,
+                                                       self.num_experts_per_tok, attention_mask)
+            else:
+                balance = sys.modules[type(self).__module__].load_balancing_loss_func
+                aux = balance(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
             loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
         out.update(loss=loss, aux_loss=aux, router_logits=outputs.router_logits)
     return self.__dict__[_ATTR + "_output"](**out)
+
+
+_SCOPE = "_fastsft_router_loss_scope"
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def load_balancing_loss_across_ranks(gate_logits, num_experts: int, top_k: int,
+                                     attention_mask: torch.Tensor | None = None, group=None) -> torch.Tensor:
+    """transformers' ``load_balancing_loss_func`` (Switch Transformer, summed over layers) over the tokens of every
+    rank of ``group``, as one process would compute it on the global batch: this rank's share of it.
+
+    The loss is ``E * sum_e (T_e / R) * (P_e / R)`` with ``T_e`` the top-k assignments to expert ``e``, ``P_e`` the
+    summed router probabilities and ``R`` the routed tokens (padding masked out), all summed over layers. ``T`` and
+    ``R`` carry no gradient: one all-reduce of ``E + 1`` numbers makes them global. ``P`` stays this rank's own, so
+    the shares of the ranks add up to the global loss and their gradients to its gradient -- the same convention as
+    the language-model loss divided by the global token count (``num_items_in_batch``), whose sum over ranks (the
+    wrapper averages gradients; Trainer multiplies the loss by the world size) is the global loss. Per rank, the
+    stock function would count the router loss once per rank.
+    """
+    import torch.distributed as dist
+
+    if not isinstance(gate_logits, tuple) or not gate_logits:
+        raise ValueError("load_balancing_loss_across_ranks needs the router logits of every layer (a tuple)")
+    device = gate_logits[0].device
+    assigned = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    prob = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    mask = None if attention_mask is None else attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
+    for layer_gate in gate_logits:
+        weights = F.softmax(layer_gate.to(device), dim=-1)
+        _, selected = torch.topk(weights, top_k, dim=-1)
+        if mask is None:
+            assigned = assigned + torch.bincount(selected.reshape(-1), minlength=num_experts).float()
+            prob = prob + weights.float().sum(dim=0)
+            rows = rows + weights.shape[0]
+        else:
+            assigned = assigned + torch.zeros_like(assigned).scatter_add_(0, selected.reshape(-1),
+                                                                          mask.repeat_interleave(top_k))
+            prob = prob + (weights.float() * mask.unsqueeze(-1)).sum(dim=0)
+            rows = rows + mask.sum()
+    counts = torch.cat([assigned, rows.reshape(1)]).detach()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(counts, group=group)          # global assignments and routed tokens (no gradient)
+    total = counts[-1]
+    return torch.sum((counts[:-1] / total) * (prob / total)) * num_experts
+
+
+def set_router_loss_scope(model: nn.Module, scope: str) -> None:
+    """Where the fused loss's router load-balancing loss is averaged: ``"rank"`` (each rank over its own tokens, as
+    stock transformers does; default) or ``"global"`` (over the tokens of every rank, equal to one process on the
+    global batch: :func:`load_balancing_loss_across_ranks`; every rank must run the forward, as under DDP / FSDP).
+    Needs the fused loss on (``apply(model, fused_loss=True)``)."""
+    if scope not in ("rank", "global"):
+        raise ValueError(f"router loss scope must be 'rank' or 'global', got {scope!r}")
+    base = base_model(model)
+    if _ATTR not in base.__dict__:
+        raise ValueError("the router loss across ranks is computed by the fused loss: apply(model, fused_loss=True) "
+                         "first")
+    base.__dict__[_SCOPE] = scope
 
 
 def _output_class(model: nn.Module):
@@ -265,6 +333,7 @@ def disable_fused_loss(model: nn.Module) -> ModelState:
         base.__dict__.pop("forward", None)
         base.__dict__.pop(_ATTR)
         base.__dict__.pop(_ATTR + "_output")
+        base.__dict__.pop(_SCOPE, None)
     return state(model)
 
 
@@ -275,4 +344,4 @@ def _read_state(model: nn.Module) -> dict:
 register_state_reader("fused_loss", _read_state)
 
 __all__ = ["linear_cross_entropy", "enable_fused_loss", "disable_fused_loss", "fused_causal_lm_forward",
-           "fused_ce_available", "set_fused_ce"]
+           "fused_ce_available", "set_fused_ce", "load_balancing_loss_across_ranks", "set_router_loss_scope"]

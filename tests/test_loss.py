@@ -242,3 +242,37 @@ def test_cuda_fused_ce_kernel_at_qwen3_width_matches_fp32_and_syncs_nothing():
     finally:
         L.set_fused_ce(old)
     torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("module", ["gpt_oss", "qwen3_moe"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_router_loss_across_ranks_is_transformers_own_on_one_process(module, masked):
+    """On one process the global router loss is transformers' load_balancing_loss_func of that model, to float32
+    rounding (the distributed case against one process: tests/test_distributed.py)."""
+    import importlib
+
+    from fastsft_lab.loss import load_balancing_loss_across_ranks
+
+    balance = importlib.import_module(f"transformers.models.{module}.modeling_{module}").load_balancing_loss_func
+    g = torch.Generator().manual_seed(3)
+    logits = tuple(torch.randn(40, 8, generator=g) for _ in range(3))
+    mask = (torch.rand(2, 20, generator=g) > 0.3).long() if masked else None
+    want = balance(logits, 8, 2, mask)
+    got = load_balancing_loss_across_ranks(logits, 8, 2, mask)
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=1e-7)
+
+
+def test_router_loss_scope_needs_the_fused_loss_and_a_known_scope():
+    import fastsft_lab
+    from fastsft_lab.loss import set_router_loss_scope
+    from fastsft_lab.models import build_model
+
+    model = build_model("tiny-gpt-oss", device="cpu", dtype=torch.float32, lora=None, seed=1)
+    with pytest.raises(ValueError, match="apply\\(model, fused_loss=True\\) first"):
+        set_router_loss_scope(model, "global")
+    fastsft_lab.apply(model, fused_loss=True)
+    with pytest.raises(ValueError, match="'rank' or 'global'"):
+        set_router_loss_scope(model, "node")
+    set_router_loss_scope(model, "global")
+    fastsft_lab.revert(model)
+    assert "_fastsft_router_loss_scope" not in model.__dict__

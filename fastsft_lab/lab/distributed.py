@@ -30,10 +30,11 @@ import torch.distributed as dist
 
 import fastsft_lab
 from fastsft_lab.data import PackedBatch, pack_examples, synthetic_corpus
-from fastsft_lab.models import LoraSettings, build_model, decoder_layers, get_preset
+from fastsft_lab.loss import set_router_loss_scope
+from fastsft_lab.models import LoraSettings, base_model, build_model, decoder_layers, get_preset
 
-# case name -> (wrapper, preset, lora, switches, apply before wrapping)
-CASES: dict[str, tuple[str, str, bool, dict, bool]] = {
+# case name -> (wrapper, preset, lora, switches, apply before wrapping[, router loss scope])
+CASES: dict[str, tuple] = {
     "ddp-qwen3-lora-all": ("ddp", "tiny-qwen3", True,
                            dict(packed_attention="sdpa", offload_buffers=2, fused_loss=True), True),
     "ddp-qwen3-full-offload1-applied-after": ("ddp", "tiny-qwen3", False,
@@ -41,6 +42,10 @@ CASES: dict[str, tuple[str, str, bool, dict, bool]] = {
     "ddp-gpt-oss-lora-experts-sync-free": ("ddp", "tiny-gpt-oss", True,
                                            dict(packed_attention="sdpa", offload_buffers=2, fused_loss=True,
                                                 moe_routing="sync_free"), True),
+    # the router load-balancing loss in the loss (as TRL turns it on for MoE models), averaged over every rank
+    "ddp-gpt-oss-router-loss-global": ("ddp", "tiny-gpt-oss", True,
+                                       dict(packed_attention="sdpa", offload_buffers=2, fused_loss=True,
+                                            moe_routing="sync_free"), True, "global"),
     "fsdp2-qwen3-lora-offload0": ("fsdp2", "tiny-qwen3", True,
                                   dict(packed_attention="sdpa", offload_buffers=0, fused_loss=True), True),
     "fsdp2-qwen3-lora-offload2": ("fsdp2", "tiny-qwen3", True,
@@ -52,10 +57,12 @@ CASES: dict[str, tuple[str, str, bool, dict, bool]] = {
 }
 
 
-def _model(preset: str, lora: bool) -> torch.nn.Module:
+def _model(preset: str, lora: bool, router_loss: bool = False) -> torch.nn.Module:
     # MoE: LoRA on the experts too, so their gradients (an expert idle on one rank) cross the ranks
     settings = LoraSettings(rank=4, lora_experts=get_preset(preset).is_moe) if lora else None
     model = build_model(preset, device="cpu", dtype=torch.float32, lora=settings, seed=1)
+    if router_loss:
+        base_model(model).config.output_router_logits = True
     torch.manual_seed(7)
     for n, p in model.named_parameters():      # PEFT starts lora_B at zero: give every adapter a gradient path
         if "lora_B" in n:
@@ -112,9 +119,10 @@ def _wrap(model: torch.nn.Module, wrapper: str) -> torch.nn.Module:
 
 
 def run_case(name: str) -> dict | None:
-    wrapper, preset, lora, switches, before = CASES[name]
+    wrapper, preset, lora, switches, before, *rest = CASES[name]
+    scope = rest[0] if rest else None
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = _model(preset, lora)
+    model = _model(preset, lora, router_loss=scope is not None)
     batch = global_batch(world, model.config.vocab_size)
     mine = _row(batch, rank)
     n_local = _n_items(mine["labels"])
@@ -124,6 +132,8 @@ def run_case(name: str) -> dict | None:
     dist.all_gather(counts, n_local)
     if before:
         fastsft_lab.apply(model, **switches)
+    if scope is not None:
+        set_router_loss_scope(model, scope)
     wrapped = _wrap(model, wrapper)
     if not before:
         fastsft_lab.apply(wrapped, **switches)
@@ -135,13 +145,13 @@ def run_case(name: str) -> dict | None:
     got = _grads(wrapped)
     if rank != 0:
         return None
-    ref_model = _model(preset, lora)
+    ref_model = _model(preset, lora, router_loss=scope is not None)     # one process: the stock router loss
     fastsft_lab.apply(ref_model, **switches)
     both = {"input_ids": batch.input_ids, "labels": batch.labels, "position_ids": batch.position_ids}
     ref_out = ref_model(**both, num_items_in_batch=_n_items(batch.labels))
     ref_out.loss.backward()
     ref = _grads(ref_model)
-    local_model = _model(preset, lora)     # rank 0's own row alone, scaled as its share of the global loss
+    local_model = _model(preset, lora, router_loss=scope is not None)   # rank 0's own row alone
     fastsft_lab.apply(local_model, **switches)
     (local_model(**mine, num_items_in_batch=n_global).loss * world).backward()
     local = _grads(local_model)
@@ -154,7 +164,7 @@ def run_case(name: str) -> dict | None:
             zero.append(n)
         diffs[n] = float((got[n] - g).abs().max())
     local_gap = max(float((local[n] - g).abs().max()) for n, g in ref.items() if local.get(n) is not None)
-    return {"case": name, "wrapper": wrapper, "preset": preset, "lora": lora, "switches": switches,
+    return {"case": name, "wrapper": wrapper, "router_loss_scope": scope, "preset": preset, "lora": lora, "switches": switches,
             "applied": "before wrapping" if before else "after wrapping", "state": state, "world_size": world,
             "loss_tokens_per_rank": [int(c) for c in counts], "loss": float(loss), "ref_loss": float(ref_out.loss),
             "loss_diff": abs(float(loss) - float(ref_out.loss)), "n_grads": len(ref), "missing_grads": missing,
