@@ -71,3 +71,21 @@ def test_apply_sees_through_ddp_and_refuses_fsdp1_in_one_line():
 
     with pytest.raises(ValueError, match="FSDP1 .* not supported: shard with FSDP2's"):
         fastsft_lab.apply(FakeFSDP1(model), packed_attention="sdpa")
+
+
+def test_offload_refuses_deepspeed_zero3_partitioned_layers_in_one_line():
+    """ZeRO-3 partitions parameters as FSDP2 shards them; until that path is tested, offload refuses rather than
+    risk the silent gradient loss FSDP2 had."""
+    import fastsft_lab
+    from fastsft_lab.data import benchmark_batches
+    from fastsft_lab.models import build_model, decoder_layers
+    from fastsft_lab.packing import packed_inputs
+
+    model = build_model("tiny-qwen3", device="cpu", dtype=torch.float32, lora=None, seed=1)
+    fastsft_lab.apply(model, offload_buffers=2)
+    for p in decoder_layers(model)[1].parameters():
+        p.ds_id = 7                                      # what DeepSpeed ZeRO-3 marks a partitioned parameter with
+    batch = benchmark_batches(tokens_per_step=256, row_tokens=128, steps=1, vocab_size=256, mix="short")[0]
+    with pytest.raises(NotImplementedError, match="DeepSpeed ZeRO-3 is not supported .* fully_shard"):
+        model(**packed_inputs(batch)).loss.backward()
+    fastsft_lab.revert(model)

@@ -29,7 +29,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .._compat import checkpoint_valid, is_fsdp2, output_collector, pytree, saved_tensors_hooks_enabled
+from .._compat import (checkpoint_valid, is_fsdp2, is_zero3_partitioned, output_collector, pytree,
+                       saved_tensors_hooks_enabled)
 from .manager import Entry, OffloadManager
 
 
@@ -317,6 +318,10 @@ def offloaded_checkpoint(function: Callable, *args, manager: OffloadManager, lay
     # other layer's). Not under FSDP2: there module.parameters() are the sharded copies, while the recompute runs on
     # the unsharded ones fully_shard's pre-forward hook gathers; a nested backward accumulates into those, and
     # FSDP's own post-backward hook reduce-scatters them into the sharded .grad, as for a layer without offload.
+    if module is not None and is_zero3_partitioned(module):
+        raise NotImplementedError("offloaded checkpointing under DeepSpeed ZeRO-3 is not supported (its partitioned "
+                                  "parameters are gathered by hooks it has not been tested with): shard with FSDP2's "
+                                  "fully_shard, or use offload_buffers=0")
     params = None if module is None or is_fsdp2(module) else [p for p in module.parameters() if p.requires_grad]
     call = _Call(manager=manager, fn=fn, fn_args=fn_args, leaves=leaves, spec=spec, offload_leaf=offload_leaf,
                  grad_leaves=grad_leaves, entry=None, trace_layer=layer_index, params=params,
