@@ -89,3 +89,18 @@ def test_offload_refuses_deepspeed_zero3_partitioned_layers_in_one_line():
     with pytest.raises(NotImplementedError, match="DeepSpeed ZeRO-3 is not supported .* fully_shard"):
         model(**packed_inputs(batch)).loss.backward()
     fastsft_lab.revert(model)
+
+
+def test_bench_distributed_scenario_times_one_process_and_ddp_on_the_cpu(tmp_path):
+    """``bench --only distributed`` on a CPU: the plain step, DDP at world 1 through torchrun, DDP at world 2 on gloo,
+    each with the world size its workers saw."""
+    from fastsft_lab.lab.scenarios import run_scenario
+
+    (result,) = run_scenario("distributed", device="cpu", smoke=True, out_dir=str(tmp_path), steps=2, warmup=1,
+                             progress=False)
+    rows = {r["name"]: r for r in result["variants"]}
+    assert list(rows) == ["one process, no DDP", "DDP, world 1 (torchrun)", "DDP, world 2"]
+    assert [rows[n].get("world_size") for n in rows] == [1, 1, 2], [r.get("error") for r in rows.values()]
+    assert all(r["step_ms"]["n"] == 2 and r["backend"] == "gloo" for r in rows.values())
+    assert set(result["derived"]) == {"ddp_overhead_world_1", "rank_step_overhead_world_2"}
+    assert result["config"]["world_size"] == 2

@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -173,11 +174,84 @@ def run_case(name: str) -> dict | None:
             "rank0_alone_vs_ref": local_gap}
 
 
+def time_steps(preset: str, *, tokens: int, steps: int, warmup: int, layers: int | None = None,
+               wrap: bool = True) -> dict | None:
+    """Every rank trains its own packed batch of ``tokens`` with all fast under DDP (world 1 too: the same code path
+    as several ranks; ``wrap=False``: the plain model, DDP's zero-overhead limit); per step the slowest rank's wall
+    time (a barrier closes each step). Rank 0 returns the statistics; the others None."""
+    from fastsft_lab.data import benchmark_batches
+    from fastsft_lab.profiling import percentiles
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    preset_ = get_preset(preset)
+    model = build_model(preset, device=device, dtype=torch.bfloat16 if cuda else torch.float32, num_layers=layers,
+                        quant="nf4" if cuda and preset_.family == "qwen3" and preset_.real else None,
+                        lora=LoraSettings(rank=16 if preset_.real else 4))
+    fastsft_lab.apply(model, packed_attention="varlen" if cuda else "sdpa", offload_buffers=2, fused_loss=True,
+                      **({"moe_routing": "sync_free"} if preset_.is_moe else {}))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None) if wrap \
+        else model
+    batches = benchmark_batches(tokens_per_step=tokens * world, row_tokens=tokens, steps=1,
+                                vocab_size=model.config.vocab_size, mix="short" if not preset_.real else "realistic")
+    from fastsft_lab.packing import packed_inputs
+
+    batch = batches[0]
+    mine = PackedBatch(batch.input_ids[rank:rank + 1], batch.labels[rank:rank + 1], batch.position_ids[rank:rank + 1],
+                       batch.seq_lengths[rank:rank + 1], batch.pad_lengths[rank:rank + 1]).to(device)
+    opt = torch.optim.AdamW([p for p in ddp.parameters() if p.requires_grad], lr=1e-5)
+    times = []
+    for i in range(warmup + steps):
+        if cuda:
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        ddp(**packed_inputs(mine)).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(device)
+        dist.barrier()                   # the step ends when the slowest rank's does
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    if rank != 0:
+        return None
+    return {"world_size": world, "preset": preset, "num_layers": model.config.num_hidden_layers,
+            "tokens_per_rank": tokens, "steps": steps, "warmup": warmup, "step_ms": percentiles(times),
+            "device": str(device.type), "backend": dist.get_backend(), "ddp": wrap}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--case", default="all", help=f"comma-separated, or all: {', '.join(CASES)}")
     ap.add_argument("--out", required=True, help="JSON file rank 0 writes")
+    ap.add_argument("--time", metavar="PRESET", default=None,
+                    help="instead of the equality cases: time all fast under DDP on PRESET (bench --only distributed)")
+    ap.add_argument("--tokens", type=int, default=512, help="with --time: tokens per rank and step")
+    ap.add_argument("--layers", type=int, default=None, help="with --time: decoder layers (default: all)")
+    ap.add_argument("--steps", type=int, default=6, help="with --time: measured steps")
+    ap.add_argument("--warmup", type=int, default=2, help="with --time: warm-up steps")
+    ap.add_argument("--no-ddp", action="store_true", help="with --time: the plain model, not wrapped (world 1)")
     args = ap.parse_args(argv)
+    if args.time is not None:
+        if "RANK" not in os.environ:
+            print("run under torchrun (see the module docstring)", file=sys.stderr)
+            return 2
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        torch.set_num_threads(1)
+        try:
+            doc = time_steps(args.time, tokens=args.tokens, steps=args.steps, warmup=args.warmup, layers=args.layers,
+                             wrap=not args.no_ddp)
+            if doc is not None:
+                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+                with open(args.out, "w") as f:
+                    json.dump(doc, f, indent=1)
+        finally:
+            dist.destroy_process_group()
+        return 0
     names = list(CASES) if args.case == "all" else args.case.split(",")
     bad = [n for n in names if n not in CASES]
     if bad:

@@ -2,6 +2,7 @@
 
 from .breakdown import BreakdownScenario
 from .combined import CombinedScenario
+from .distributed import DistributedScenario
 from .moe import MoeScenario
 from .offload import OffloadScenario
 from .offload_link import OffloadLinkScenario
@@ -10,8 +11,9 @@ from .packed import PackedScenario
 SCENARIOS = {s.name: s for s in (PackedScenario(), OffloadScenario(), MoeScenario(), CombinedScenario())}
 SCENARIOS[BreakdownScenario.name] = BreakdownScenario()      # after combined, whose models and variant it reuses
 SCENARIOS[OffloadLinkScenario.name] = OffloadLinkScenario()  # after offload, whose variants it reuses
+SCENARIOS[DistributedScenario.name] = DistributedScenario()
 
-__all__ = ["SCENARIOS", "PackedScenario", "OffloadScenario", "MoeScenario", "CombinedScenario"]
+__all__ = ["SCENARIOS", "PackedScenario", "OffloadScenario", "MoeScenario", "CombinedScenario", "DistributedScenario"]
 
 
 def run_scenario(name: str, *, device, smoke: bool, out_dir: str, steps: int | None = None,
