@@ -64,11 +64,41 @@ def _model(preset: str, lora: bool, router_loss: bool = False) -> torch.nn.Modul
     model = build_model(preset, device="cpu", dtype=torch.float32, lora=settings, seed=1)
     if router_loss:
         base_model(model).config.output_router_logits = True
+    if get_preset(preset).is_moe:
+        # one expert of layer 0 gets no token on any rank: the empty group goes through sync_free, DDP and the
+        # reduction of the experts' LoRA gradients (its rows stay zero)
+        with torch.no_grad():
+            base_model(model).model.layers[0].mlp.router.bias[IDLE_EXPERT] = -1e4
     torch.manual_seed(7)
     for n, p in model.named_parameters():      # PEFT starts lora_B at zero: give every adapter a gradient path
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.05)
     return model
+
+
+IDLE_EXPERT = 7
+
+
+def _tokens_per_expert(model: torch.nn.Module, call) -> list[list[int]]:
+    """Per MoE layer, how many (token, slot) routings each expert received during ``call()`` (a pre-hook reads the
+    router's top-k indices as the experts module receives them)."""
+    from fastsft_lab.moe.modules import experts_modules
+
+    got: list[list[int]] = []
+
+    def hook(module, args, kwargs):
+        idx = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and not a.is_floating_point()]
+        if idx:
+            n = getattr(module, "num_experts", None) or int(idx[0].max()) + 1
+            got.append(torch.bincount(idx[0].reshape(-1), minlength=n).tolist())
+
+    hooks = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in experts_modules(model)]
+    try:
+        call()
+    finally:
+        for h in hooks:
+            h.remove()
+    return got
 
 
 def global_batch(world: int, vocab_size: int) -> PackedBatch:
@@ -139,7 +169,9 @@ def run_case(name: str) -> dict | None:
     if not before:
         fastsft_lab.apply(wrapped, **switches)
     state = str(fastsft_lab.state(wrapped))
-    out = wrapped(**mine, num_items_in_batch=n_global)
+    holder = {}
+    per_expert = _tokens_per_expert(model, lambda: holder.setdefault("out", wrapped(**mine, num_items_in_batch=n_global)))
+    out = holder["out"]
     (out.loss * world).backward()         # the wrappers average gradients over the ranks
     loss = out.loss.detach().clone()
     dist.all_reduce(loss)                 # the global mean: every rank divided by the global count
@@ -171,7 +203,10 @@ def run_case(name: str) -> dict | None:
             "loss_diff": abs(float(loss) - float(ref_out.loss)), "n_grads": len(ref), "missing_grads": missing,
             "zero_grads": zero, "max_grad_diff": max(diffs.values()) if diffs else None,
             "worst_grad": max(diffs, key=diffs.__getitem__) if diffs else None,
-            "rank0_alone_vs_ref": local_gap}
+            "rank0_alone_vs_ref": local_gap,
+            # rank 0's (layer, expert) pairs that received no token in its forward
+            "idle_experts_rank0": sorted({(i, e) for i, counts in enumerate(per_expert)
+                                          for e, c in enumerate(counts) if c == 0})}
 
 
 def time_steps(preset: str, *, tokens: int, steps: int, warmup: int, layers: int | None = None,
