@@ -104,5 +104,6 @@ def test_bench_distributed_scenario_times_one_process_and_ddp_on_the_cpu(tmp_pat
     assert list(rows) == ["one process, no DDP", "DDP, world 1 (torchrun)", "DDP, world 2"]
     assert [rows[n].get("world_size") for n in rows] == [1, 1, 2], [r.get("error") for r in rows.values()]
     assert all(r["step_ms"]["n"] == 2 and r["backend"] == "gloo" for r in rows.values())
-    assert set(result["derived"]) == {"ddp_overhead_world_1", "rank_step_overhead_world_2"}
+    assert set(result["derived"]) == {"ddp_overhead_world_1", "rank_step_overhead_world_2", "same_losses_world_1"}
+    assert result["derived"]["same_losses_world_1"] is True
     assert result["config"]["world_size"] == 2

@@ -238,13 +238,15 @@ def time_steps(preset: str, *, tokens: int, steps: int, warmup: int, layers: int
     mine = PackedBatch(batch.input_ids[rank:rank + 1], batch.labels[rank:rank + 1], batch.position_ids[rank:rank + 1],
                        batch.seq_lengths[rank:rank + 1], batch.pad_lengths[rank:rank + 1]).to(device)
     opt = torch.optim.AdamW([p for p in ddp.parameters() if p.requires_grad], lr=1e-5)
-    times = []
+    times, losses = [], []
     for i in range(warmup + steps):
         if cuda:
             torch.cuda.synchronize(device)
         dist.barrier()
         t0 = time.perf_counter()
-        ddp(**packed_inputs(mine)).loss.backward()
+        loss = ddp(**packed_inputs(mine)).loss
+        loss.backward()
+        losses.append(loss.detach())
         opt.step()
         opt.zero_grad(set_to_none=True)
         if cuda:
@@ -256,7 +258,8 @@ def time_steps(preset: str, *, tokens: int, steps: int, warmup: int, layers: int
         return None
     return {"world_size": world, "preset": preset, "num_layers": model.config.num_hidden_layers,
             "tokens_per_rank": tokens, "steps": steps, "warmup": warmup, "step_ms": percentiles(times),
-            "device": str(device.type), "backend": dist.get_backend(), "ddp": wrap}
+            "device": str(device.type), "backend": dist.get_backend(), "ddp": wrap,
+            "losses_rank0": [float(x) for x in losses]}       # read after the timed steps: no sync inside them
 
 
 def main(argv: list[str] | None = None) -> int:

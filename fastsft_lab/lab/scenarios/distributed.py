@@ -86,6 +86,7 @@ class DistributedScenario(Scenario):
                 row["error"] = doc["error"]
             else:
                 row.update(step_ms=doc["step_ms"], world_size=doc["world_size"], backend=doc["backend"],
+                           losses_rank0=doc["losses_rank0"],
                            tokens_per_s=opts.tokens * doc["world_size"] / doc["step_ms"]["median"] * 1e3)
             rows.append(row)
         ok = {r["name"]: r for r in rows if "step_ms" in r}
@@ -98,6 +99,8 @@ class DistributedScenario(Scenario):
         plain, one = ok.get("one process, no DDP"), ok.get("DDP, world 1 (torchrun)")
         if plain and one:
             derived["ddp_overhead_world_1"] = one["step_ms"]["median"] / plain["step_ms"]["median"] - 1
+            # the same rank-0 row and weights: DDP at world 1 must train exactly as the plain model
+            derived["same_losses_world_1"] = plain["losses_rank0"] == one["losses_rank0"]
         many = ok.get(f"DDP, world {world}") if world > 1 else None
         if many and plain:
             derived[f"rank_step_overhead_world_{world}"] = many["step_ms"]["median"] / plain["step_ms"]["median"] - 1
