@@ -34,7 +34,7 @@ from fastsft_lab.data import PackedBatch, pack_examples, synthetic_corpus
 from fastsft_lab.loss import set_router_loss_scope
 from fastsft_lab.models import LoraSettings, base_model, build_model, decoder_layers, get_preset
 
-# case name -> (wrapper, preset, lora, switches, apply before wrapping[, router loss scope])
+# case name -> (wrapper, preset, lora, switches, apply before wrapping[, router loss scope[, collator]])
 CASES: dict[str, tuple] = {
     "ddp-qwen3-lora-all": ("ddp", "tiny-qwen3", True,
                            dict(packed_attention="sdpa", offload_buffers=2, fused_loss=True), True),
@@ -47,6 +47,14 @@ CASES: dict[str, tuple] = {
     "ddp-gpt-oss-router-loss-global": ("ddp", "tiny-gpt-oss", True,
                                        dict(packed_attention="sdpa", offload_buffers=2, fused_loss=True,
                                             moe_routing="sync_free"), True, "global"),
+    # TRL's padding-free collator on each rank's sequences (one flattened row per rank, seq_idx and cu_seq_lens)
+    "ddp-qwen3-trl-padding-free": ("ddp", "tiny-qwen3", True,
+                                   dict(packed_attention="sdpa", offload_buffers=2, fused_loss=True), True, None,
+                                   "trl-padding-free"),
+    # the experts sharded with their layer, LoRA on them, an expert idle
+    "fsdp2-gpt-oss-lora-experts-sync-free": ("fsdp2", "tiny-gpt-oss", True,
+                                             dict(packed_attention="sdpa", offload_buffers=2, fused_loss=True,
+                                                  moe_routing="sync_free"), True),
     "fsdp2-qwen3-lora-offload0": ("fsdp2", "tiny-qwen3", True,
                                   dict(packed_attention="sdpa", offload_buffers=0, fused_loss=True), True),
     "fsdp2-qwen3-lora-offload2": ("fsdp2", "tiny-qwen3", True,
@@ -113,6 +121,24 @@ def _row(batch: PackedBatch, r: int) -> dict:
             "position_ids": batch.position_ids[r:r + 1]}
 
 
+def _padding_free(batch: PackedBatch, world: int) -> tuple[list[dict], dict]:
+    """The sequences of each rank's packed row through TRL's padding-free collator (one flattened row per rank), and
+    all of them through it at once (the one-process reference)."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    collate = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
+    features: list[list[dict]] = []
+    for r in range(world):
+        start, rows = 0, []
+        for j, n in enumerate(batch.seq_lengths[r]):
+            if not (batch.pad_lengths[r] and j == len(batch.seq_lengths[r]) - 1):   # the padding tail is no sequence
+                rows.append({"input_ids": batch.input_ids[r, start:start + n].tolist()})
+            start += n
+        features.append(rows)
+    features[-1] = features[-1][:-1]       # the last rank one sequence short: the ranks' token counts differ
+    return [collate(f) for f in features], collate([x for f in features for x in f])
+
+
 def _n_items(labels: torch.Tensor) -> torch.Tensor:
     return (labels[:, 1:] != -100).sum()
 
@@ -152,10 +178,16 @@ def _wrap(model: torch.nn.Module, wrapper: str) -> torch.nn.Module:
 def run_case(name: str) -> dict | None:
     wrapper, preset, lora, switches, before, *rest = CASES[name]
     scope = rest[0] if rest else None
+    collator = rest[1] if len(rest) > 1 else None
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _model(preset, lora, router_loss=scope is not None)
     batch = global_batch(world, model.config.vocab_size)
-    mine = _row(batch, rank)
+    if collator == "trl-padding-free":
+        per_rank, reference = _padding_free(batch, world)
+        mine = per_rank[rank]
+    else:
+        mine, reference = _row(batch, rank), {"input_ids": batch.input_ids, "labels": batch.labels,
+                                              "position_ids": batch.position_ids}
     n_local = _n_items(mine["labels"])
     n_global = n_local.clone()
     dist.all_reduce(n_global)
@@ -180,8 +212,7 @@ def run_case(name: str) -> dict | None:
         return None
     ref_model = _model(preset, lora, router_loss=scope is not None)     # one process: the stock router loss
     fastsft_lab.apply(ref_model, **switches)
-    both = {"input_ids": batch.input_ids, "labels": batch.labels, "position_ids": batch.position_ids}
-    ref_out = ref_model(**both, num_items_in_batch=_n_items(batch.labels))
+    ref_out = ref_model(**reference, num_items_in_batch=_n_items(reference["labels"]))
     ref_out.loss.backward()
     ref = _grads(ref_model)
     local_model = _model(preset, lora, router_loss=scope is not None)   # rank 0's own row alone
@@ -197,7 +228,7 @@ def run_case(name: str) -> dict | None:
             zero.append(n)
         diffs[n] = float((got[n] - g).abs().max())
     local_gap = max(float((local[n] - g).abs().max()) for n, g in ref.items() if local.get(n) is not None)
-    return {"case": name, "wrapper": wrapper, "router_loss_scope": scope, "preset": preset, "lora": lora, "switches": switches,
+    return {"case": name, "wrapper": wrapper, "router_loss_scope": scope, "collator": collator, "preset": preset, "lora": lora, "switches": switches,
             "applied": "before wrapping" if before else "after wrapping", "state": state, "world_size": world,
             "loss_tokens_per_rank": [int(c) for c in counts], "loss": float(loss), "ref_loss": float(ref_out.loss),
             "loss_diff": abs(float(loss) - float(ref_out.loss)), "n_grads": len(ref), "missing_grads": missing,
