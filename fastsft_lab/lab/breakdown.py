@@ -514,6 +514,22 @@ def step_view(result: dict) -> dict | None:
     return without_profiler(bd, timed)
 
 
+# What bounds each category's kernels, by their kind (not a roofline measurement): matmuls and attention do many
+# FLOPs per byte; norms, elementwise ops, dequantisation, copies and the optimizer move bytes; idle is the device
+# waiting for the host (on a CPU: host time between ops) -- the overhead the glue fixes remove.
+BOUND_BY = {"compute-bound (matmuls, attention)": ("attention", "experts", "dense", "lora", "loss_head"),
+            "memory-bound (norms, elementwise, dequant, copies, optimizer)": ("elementwise", "nf4_dequant", "copies",
+                                                                              "optimizer"),
+            "overhead (idle: waiting for the host)": ("idle",),
+            "other": ("other",)}
+
+
+def bound_by(breakdown: dict) -> dict[str, float]:
+    """The breakdown's ms grouped by what bounds them (:data:`BOUND_BY`)."""
+    ms = {r["category"]: r["ms"] for r in breakdown["categories"]}
+    return {group: round(sum(ms.get(c, 0.0) for c in cats), 4) for group, cats in BOUND_BY.items()}
+
+
 def format_breakdown(breakdown: dict) -> str:
     lines = [f"{'category':24s} {'ms':>9s} {'share':>7s} {'kernel ms':>10s}  top kernel"]
     for r in breakdown["categories"]:
@@ -560,5 +576,5 @@ def breakdown_variant(model: nn.Module, batches: Sequence, variant, *, optimizer
 
 __all__ = ["CATEGORIES", "WORK", "label", "module_categories", "ScopeLabels", "Attributor", "work_items", "attribute",
            "profile_steps", "breakdown_from_events", "breakdown_variant", "describe_bottleneck", "format_breakdown",
-           "without_profiler", "step_view",
+           "without_profiler", "step_view", "BOUND_BY", "bound_by",
            "STEP_LABEL", "device_events"]

@@ -385,7 +385,8 @@ def plot_timelines(named: dict[str, Sequence[dict]], *, suptitle: str | None = N
     return fig
 
 
-def plot_host_device_timeline(timelines: dict[str, dict], ax=None, title: str | None = None):
+def plot_host_device_timeline(timelines: dict[str, dict], ax=None, title: str | None = None,
+                              what: str = "the experts forward"):
     """Host ops (grey; red where the host waits for the device) and GPU kernels (blue) per mode
     (:func:`fastsft_lab.profiling.host_device_timeline`'s output). Returns ax."""
     if ax is None:
@@ -403,7 +404,7 @@ def plot_host_device_timeline(timelines: dict[str, dict], ax=None, title: str | 
         y += 1.4
     ax.set_yticks([p for p, _ in labels])
     ax.set_yticklabels([t for _, t in labels], fontsize=8)
-    ax.set_xlabel("ms from the start of the experts forward")
+    ax.set_xlabel(f"ms from the start of {what}")
     ax.set_title(title or "one MoE layer's experts forward: red = the host waits for the device", fontsize=9)
     return ax
 

@@ -206,6 +206,15 @@ def combined_results(root=None, device_type: str = "cuda") -> list[dict]:
 PEER_OUR_VARIANTS = ("transformers default", "all naive", "all fast")   # our rows shown beside a peer's
 
 
+def newest_peak_gib(scenario: str, root=None, **config) -> tuple[float | None, dict | None]:
+    """The largest ``peak_mem_bytes`` (GiB) of the newest committed GPU result of ``scenario`` whose config has
+    every ``config`` value, with that document; ``(None, None)`` when none matches."""
+    docs = [d for d in load_results(scenario, root=root) if all(d["config"].get(k) == v for k, v in config.items())]
+    if not docs:
+        return None, None
+    return max((v.get("peak_mem_bytes") or 0) for v in docs[0]["variants"]) / 2**30, docs[0]
+
+
 def peer_results(root=None, device_type: str = "cuda") -> list[tuple[list[dict], list[dict]]]:
     """Unsloth against us, one comparison per shape (model, depth, tokens per step) a peer run measured:
     ``(peer, ours)``. Both sides come from one session: per shape, the newest run folder that holds the peer's
@@ -287,5 +296,5 @@ def breakdown_results(root=None, device_type: str | None = "cuda") -> list[dict]
 
 __all__ = ["all_results", "load_results", "run_of", "newest_per_config", "describe_run", "build_index", "write_index",
            "repo_results_dir", "INDEX", "step_spread", "unsettled", "UNSETTLED_SPREAD", "offload_results",
-           "packed_regime", "combined_results", "peer_results", "PEER_OUR_VARIANTS", "experts_profile",
+           "packed_regime", "combined_results", "newest_peak_gib", "peer_results", "PEER_OUR_VARIANTS", "experts_profile",
            "experts_profile_rows", "breakdown_results"]

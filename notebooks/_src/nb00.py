@@ -6,26 +6,25 @@ GPU figure in them is read from the committed H200 results. On a GPU the same ce
 
 CELLS = [
 ("md", r'''
-# 00 — The naive path, profiled
+# 00 — The stock step, profiled: where the time goes, and the glue
 
 [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/fastsft-lab/fastsft_lab/blob/main/notebooks/00_naive_path_profiled.ipynb)
 
 **What you will learn**
-- how packed SFT batches look (several sequences per row, `position_ids` restarting per sequence, no padding waste);
-- how to measure a QLoRA training step the way the rest of this series does: phases (forward, backward,
-  optimizer) as median and p20–p80 over interleaved steps, host syncs per step and per decoder layer, peak memory;
-- where the time goes (profiler top ops), and the three pieces of *glue code* that notebooks 01–03 fix.
+- how to measure a QLoRA training step the way the rest of this series does: interleaved steps, median and p20–p80,
+  host syncs per step and per decoder layer, peak memory;
+- where the stock step's time goes: compute-bound kernels, memory-bound kernels, and overhead (the device waiting
+  for the host), and how to see it on a host–GPU timeline;
+- where the three glue costs of notebooks 01–03 sit on that timeline, and where stock transformers has already
+  removed one.
 
-**Prerequisites.** Runs anywhere. Without a GPU it runs in *smoke mode* (tiny models, seconds). With a GPU it builds
-the largest real architecture that fits (random weights, NF4 + LoRA r=16): Qwen3-14B with all its layers on a large
-GPU, Qwen3-0.6B on a small one such as Colab's T4. The parameters cell prints what it picked and why; the cell after
-it prints what each choice needs, next to the peak memory the committed H200 runs of the same configurations
-measured.
+**Prerequisites.** Runs anywhere. Without a GPU it runs in *smoke mode* (tiny models, seconds; on a CPU "idle" is
+Python between ops, not a waiting GPU). With a GPU it builds the largest real architecture that fits (random
+weights, NF4 + LoRA r=16): Qwen3-14B with all its layers on a large GPU, Qwen3-0.6B on a T4. ~25 minutes.
 
 **The problem.** Once attention and matmul kernels are fast, a fine-tuning step still pays for the code *between*
-kernels: metadata rebuilt in every layer, device→host reads that stall the launch queue, memory copies that do not
-overlap compute, and Python loops over experts. This notebook measures the unoptimized path so that the next ones
-have a baseline.
+kernels: metadata rebuilt in every layer, device→host reads that stall the launch queue, copies that do not overlap
+compute, Python loops over experts. Before fixing any of it, find it: this notebook measures the stock step.
 '''),
 ("colab", ""),                # the shared Colab install cell (build.py)
 ("code", r'''
@@ -52,7 +51,8 @@ print(describe())
 ("md", r'''
 ## Parameters
 Everything below is derived from these. In smoke mode the sizes are tiny; on a GPU they are the largest real ones
-that fit in its memory (`PROFILE.pick` takes the first choice whose need fits).
+that fit in its memory (`PROFILE.pick` takes the first choice whose need fits), printed beside the peak the
+committed H200 runs of the closest configurations measured.
 '''),
 ("code", r'''
 # GiB each GPU choice needs: the committed H200 peak of the same (or the closest) configuration, printed by the next
@@ -84,75 +84,46 @@ print(PROFILE.describe())
 print(why)
 print(dict(MODEL=MODEL, NUM_LAYERS=NUM_LAYERS, TOKENS=TOKENS, ROW_TOKENS=ROW_TOKENS, MOE_MODEL=MOE_MODEL,
            MOE_LAYERS=MOE_LAYERS, MOE_TOKENS=MOE_TOKENS, DEVICE=DEVICE, DTYPE=str(DTYPE)))
-'''),
-("code", r'''
-# What the GPU choices need, against what the committed H200 runs of the closest configurations measured
-# (fastsft_lab.lab.results: the clone's benchmarks/results, or the copy packaged with the library).
-def h200_peak(scenario, **config):
-    """(largest peak_mem_bytes in GiB, its document) of the newest committed GPU run of `scenario` matching `config`."""
-    docs = [d for d in results.load_results(scenario) if all(d["config"].get(k) == v for k, v in config.items())]
-    if not docs:
-        return None, None
-    return max(v.get("peak_mem_bytes") or 0 for v in docs[0]["variants"]) / 2**30, docs[0]
-
-reference = [
-    ("qwen3-14b", "8 of its 40 layers, 8192 tokens", h200_peak("packed_metadata", model="qwen3-14b", num_layers=8,
-                                                                tokens_per_step=8192, mix="realistic", backend="sdpa")),
-    ("qwen3-14b", "all 40 layers, 16384 tokens", h200_peak("offload_vram", model="qwen3-14b", num_layers=40,
-                                                            tokens_per_step=16384)),
-    ("qwen3-0.6b", "all 28 layers, 4096 tokens", h200_peak("packed_metadata", model="qwen3-0.6b", num_layers=28,
-                                                            tokens_per_step=4096, mix="realistic", backend="sdpa")),
-    ("gpt-oss-20b", "4 layers, 8192 tokens, forward", h200_peak("moe-routing", model="gpt-oss-20b",
-                                                                 tokens_per_step=8192, mode="forward")),
-]
 for name, c in CHOICES.items():
     print(f"{name}: all layers, {c['tokens']} tokens -> needs {c['gib']} GiB here")
-for name, gib in MOE_CHOICES.items():
-    print(f"gpt-oss-20b: {name} -> needs {gib} GiB here")
-print("committed H200 peaks (one training step; QLoRA, checkpointing, as here):")
-for name, what, (peak, doc) in reference:
-    print(f"  {name:11s} {what:32s} {peak:5.1f} GiB   [{results.describe_run(doc)}]" if doc else
-          f"  {name:11s} {what:32s} not in the committed results")
+print("committed H200 peaks of the closest configurations (one training step; QLoRA, checkpointing, as here):")
+for name, what, config in [("qwen3-14b", "8 of 40 layers, 8192 tokens", dict(scenario="packed_metadata", model="qwen3-14b",
+                            num_layers=8, tokens_per_step=8192, mix="realistic", backend="sdpa")),
+                           ("qwen3-0.6b", "28 layers, 4096 tokens", dict(scenario="packed_metadata", model="qwen3-0.6b",
+                            num_layers=28, tokens_per_step=4096, mix="realistic", backend="sdpa"))]:
+    peak, doc = results.newest_peak_gib(**config)
+    print(f"  {name:11s} {what:28s} " + (f"{peak:5.1f} GiB  [{results.describe_run(doc)}]" if doc else "not committed"))
 '''),
 ("md", r'''
-## The data: packed rows
-A deterministic synthetic instruction corpus (log-normal prompt and response lengths, median ≈ 360 tokens, long tail;
-see `fastsft_lab.data.LENGTH_MIXES`) packed best-fit-decreasing into rows. Each row keeps its sequence lengths as
-host-side integers — that matters in notebook 01.
+## Before, measured: the stock step
+A deterministic synthetic instruction corpus packed best-fit-decreasing into rows (several sequences per row,
+`position_ids` restarting per sequence, a padding tail in grey), and the model built straight on the device from
+its published hyper-parameters, random weights (speed does not depend on weight values), NF4 + LoRA on every
+projection, gradient checkpointing on.
+
+Two ways to run it. **Stock transformers** (`sdpa`) given packed `position_ids` and no mask: Qwen3 detects the packing
+once per forward (one boolean read back from the GPU) and builds one block-diagonal mask. **Metadata rebuilt per
+layer**: the same kernel, with its packing metadata derived from `position_ids` in every layer, as transformers'
+flash packed path and Unsloth's pre-cache builders do: the "before" of notebook 01. The harness interleaves the two
+step by step and reports median [p20–p80] (glossary).
 '''),
 ("code", r'''
 from fastsft_lab.data import benchmark_batches
+from fastsft_lab.models import build_model, LoraSettings
+from fastsft_lab.profiling import peak_memory, reset_peak_memory
 
 batches = benchmark_batches(tokens_per_step=TOKENS, row_tokens=ROW_TOKENS, steps=STEPS, vocab_size=151936 if not SMOKE else 256,
                             mix="realistic" if not SMOKE else "short")
 b0 = batches[0]
-print("batch shape", b0.shape, "| sequences per step:", b0.num_sequences, "| fill:", f"{b0.num_real_tokens / b0.num_tokens:.1%}")
-print("row 0 segment lengths:", b0.seq_lengths[0][:12], "..." if len(b0.seq_lengths[0]) > 12 else "")
-print("position_ids restart per sequence:", b0.position_ids[0, b0.seq_lengths[0][0] - 3: b0.seq_lengths[0][0] + 3].tolist())
-'''),
-("code", r'''
-# This notebook's own picture (the lab's plots module has no packed-row chart): one bar per sequence
 fig, ax = plt.subplots(figsize=(9, max(1.8, 0.9 + 0.4 * b0.shape[0])))
-for r, (row, pad) in enumerate(zip(b0.seq_lengths, b0.pad_lengths)):
+for r, (row, pad) in enumerate(zip(b0.seq_lengths, b0.pad_lengths)):       # one bar per sequence
     start = 0
     for j, n in enumerate(row):
-        is_pad = pad and j == len(row) - 1
-        ax.barh(r, n, left=start, color="lightgray" if is_pad else plt.cm.tab20(j % 20), edgecolor="white")
+        ax.barh(r, n, left=start, color="lightgray" if pad and j == len(row) - 1 else plt.cm.tab20(j % 20), edgecolor="white")
         start += n
 ax.set_yticks(range(b0.shape[0])); ax.set_yticklabels([f"row {r}" for r in range(b0.shape[0])])
-ax.set_xlabel("token position"); ax.set_title("One packed batch: each colour is one sequence (grey: padding tail)", fontsize=9)
-fig.tight_layout()
-display(fig); plt.close(fig)
-'''),
-("md", r'''
-## The model: QLoRA on the real architecture
-`build_model` builds the architecture straight on the target device from its published hyper-parameters with
-random weights (speed does not depend on weight values), quantizes every linear layer to NF4 and adds LoRA adapters
-on all attention and MLP projections. Gradient checkpointing is on, as in any long-context SFT recipe.
-'''),
-("code", r'''
-from fastsft_lab.models import build_model, LoraSettings
-from fastsft_lab.profiling import peak_memory, reset_peak_memory
+ax.set_xlabel("token position"); ax.set_title(f"one packed batch: {b0.num_sequences} sequences, fill {b0.num_real_tokens / b0.num_tokens:.0%}", fontsize=9)
+fig.tight_layout(); display(fig); plt.close(fig)
 
 t = time.time()
 model = build_model(MODEL, device=DEVICE, dtype=DTYPE, quant="nf4", lora=LoraSettings(rank=LORA_RANK),
@@ -160,17 +131,7 @@ model = build_model(MODEL, device=DEVICE, dtype=DTYPE, quant="nf4", lora=LoraSet
 info = model.fastsft_info
 print(f"{info.preset}: {info.num_layers} layers, {info.params_total/1e6:.1f}M parameters stored "
       f"({info.params_trainable/1e6:.2f}M trainable LoRA), built in {time.time()-t:.1f}s")
-if DEVICE == "cuda":
-    print(f"GPU memory after build (NF4 weights, bf16/fp16 embeddings and LM head, LoRA): "
-          f"{torch.cuda.memory_allocated()/2**30:.1f} GiB")
 batches = [b.to(DEVICE) for b in batches]
-'''),
-("md", r'''
-## A training step on the stock path
-Stock transformers (`sdpa` attention) given packed `position_ids` and no mask: Qwen3's model detects the packing
-once per forward and builds one block-diagonal mask (that detection reads one boolean back from the GPU). Next to
-it, the per-layer "naive" path notebook 01 replaces: the same attention kernel, with its metadata rebuilt from
-`position_ids` in every layer. The harness interleaves the variants step by step and reports median [p20–p80].
 '''),
 ("code", r'''
 from fastsft_lab.lab.harness import Variant, run_variants, make_result, format_table
@@ -183,65 +144,74 @@ res = run_variants(model, batches, variants, steps=STEPS - 1, warmup=1, progress
 result = make_result("00-naive-path", {"model": MODEL, "num_layers": info.num_layers, "tokens_per_step": TOKENS,
                                        "quant": "nf4", "lora_rank": LORA_RANK, "gradient_checkpointing": True}, res, DEVICE)
 print(format_table(result))
-'''),
-("code", r'''
 fig = plots.plot_result(result, phases=("forward", "step"),
                         title=f"stock path vs metadata rebuilt per layer: {MODEL} ({info.num_layers} layers), "
                               f"{TOKENS} tokens/step, {PROFILE.name} (measured here)")
 display(fig); plt.close(fig)
 '''),
 ("md", r'''
-## Host syncs, per step and per layer
-A host sync is any operation whose result the CPU must read before it can continue (`.item()`, `.tolist()`,
-`nonzero`, boolean indexing, printing a tensor…). While the CPU waits, it issues no kernels; afterwards the GPU waits
-for the CPU to refill the launch queue. One per step is harmless; one per layer per step is not.
+## Where the time goes: compute, memory, overhead
+`torch.profiler` over one stock step, its time split by who launched each kernel (`fastsft_lab.lab.breakdown`:
+attention, dense matmuls, LoRA, the loss, norms and elementwise ops, copies, the optimizer, and idle), then grouped by
+what bounds each kind of kernel. Compute-bound work gets faster with faster kernels; memory-bound work with fewer
+passes over memory (fused kernels); **overhead** -- the device idle while the host prepares the next kernel or waits
+for a result -- with less host work between kernels. The glue fixes of this series remove overhead.
 '''),
 ("code", r'''
-from fastsft_lab.profiling import SyncCounter
+from fastsft_lab.lab.breakdown import breakdown_variant, bound_by, describe_bottleneck, format_breakdown
+from fastsft_lab.lab.harness import make_optimizer
 
-for v in variants:
-    v.enable(model)
-    counter = SyncCounter.for_decoder_layers(model, device=DEVICE)
-    with counter:
-        loss = model(**v.inputs(batches[0], v.prepare(batches[0]) if v.prepare else None)).loss
-        loss.backward()
-    v.disable(model)
-    model.zero_grad(set_to_none=True)
-    per_layer = counter.per_module()
-    print(f"{v.name:32s} syncs/step={counter.total:4d}  inside layers={counter.in_modules:4d}  "
-          f"first layers: {list(per_layer.values())[:4]}  kinds={dict(counter.by_kind)}")
+opt = make_optimizer(model, lr=1e-6)
+bd = breakdown_variant(model, batches, variants[0], optimizer=opt, device=DEVICE, steps=1)
+print(format_breakdown(bd))
+print("\nby what bounds it:")
+for group, ms in bound_by(bd).items():
+    print(f"  {group:62s} {ms:8.1f} ms  {ms / bd['step_ms']:6.1%}")
+print("\nnext bottleneck --", describe_bottleneck(bd))
 '''),
 ("md", r'''
-## Where the time goes
-`torch.profiler` over one step; the trace (open it in `chrome://tracing` or Perfetto) lands in `runs/`.
+## The host–GPU timeline, and the glue on it
+One step of each path as two lanes: host ops (grey; **red where the host waits for the device**: a `nonzero`, an
+`.item()`, a `.tolist()`) and, on a GPU, the kernels (blue). Each red mark is a **host sync**: the launch queue runs
+dry behind it, and the GPU idles until the host refills it. Stock transformers pays one per step (its packing
+check); the per-layer metadata path pays several in every layer, twice under checkpointing (forward and
+recompute). A lane counts the host ops that waited (one op can hold several syncs: the counter below counts the
+syncs themselves). On a CPU there is no GPU lane: the red marks show where a GPU run would stall.
 '''),
 ("code", r'''
-import os
-from fastsft_lab.profiling import profile
+from fastsft_lab.profiling import SyncCounter, host_device_timeline
 
-os.makedirs("runs", exist_ok=True)
-opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
-
+lines = {}
+for v in variants:
+    v.enable(model)
+    inputs = v.inputs(batches[0], v.prepare(batches[0]) if v.prepare else None)
+    one_step = lambda: model(**inputs).loss.backward()
+    one_step(); model.zero_grad(set_to_none=True)                     # warm: no first-call allocations in the trace
+    lines[v.name] = host_device_timeline(one_step, DEVICE)
+    model.zero_grad(set_to_none=True)
+    counter = SyncCounter.for_decoder_layers(model, device=DEVICE)
+    with counter:
+        model(**inputs).loss.backward()
+    model.zero_grad(set_to_none=True)
+    v.disable(model)
+    print(f"{v.name:32s} syncs/step={counter.total:4d}  inside layers={counter.in_modules:4d}  "
+          f"first layers: {list(counter.per_module().values())[:4]}  kinds={dict(counter.by_kind)}")
+fig, ax = plt.subplots(figsize=(10, 3.2 if DEVICE == "cpu" else 4.5))
+plots.plot_host_device_timeline(lines, ax=ax, title=f"one step, {MODEL}, {PROFILE.name}: red = the host waits for the device",
+                                what="the step (forward + backward)")
+fig.tight_layout(); display(fig); plt.close(fig)
+'''),
+("md", r'''
+## What it costs: memory
+Checkpointing keeps one tensor per decoder layer (its input) instead of every activation. Offloading those inputs
+to pinned CPU memory (notebook 02) removes even that -- if the copies hide behind compute. Without checkpointing a
+large model at long sequences may not fit at all: the cell says so when the step runs out of memory.
+'''),
+("code", r'''
 def one_step():
     loss = model(**batches[0].model_inputs()).loss
     loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
 
-prof = profile(one_step, trace_path="runs/00_stock_step_trace.json", top=12)
-print("GPU kernels by device time" if DEVICE == "cuda" else "host ops by self time (a CPU: no kernels, no launch queue)",
-      "- each entry counted once:")
-for op in prof.top_ops:
-    print(f"{op['self_ms']:10.2f} ms  {op['calls']:6d} calls  {op['name'][:110]}")
-if prof.queue_full_ms:
-    print(f"the CPU also waited {prof.queue_full_ms:.1f} ms on a full launch queue (CUPTI's 'Command Buffer Full'): "
-          "the GPU, not the host, set the pace there")
-'''),
-("md", r'''
-## Memory: what checkpointing buys, and what offloading would add
-Checkpointing keeps one tensor per decoder layer (its input) instead of every activation. Offloading those inputs
-to pinned CPU memory (notebook 02) removes even that — if the copies hide behind compute. Without checkpointing a
-large model at long sequences may not fit at all: the cell says so when the step runs out of memory.
-'''),
-("code", r'''
 OUT_OF_MEMORY = False
 if DEVICE == "cuda":
     rows = []
@@ -267,12 +237,13 @@ else:
 ## The MoE expert loop (GPT-OSS)
 transformers' eager `GptOssExperts` asks, for every expert that got tokens, *which* tokens (`torch.where` on a mask):
 host syncs per expert hit, per layer. transformers 5.x defaults to its `grouped_mm` experts path instead (sort +
-histogram + grouped matmul); notebook 03 measures both against our grouping. The Qwen3 model is freed first.
+histogram + grouped matmul, no sync): there the glue left is kernel launches, not syncs (notebook 03). The Qwen3
+model is freed first.
 '''),
 ("code", r'''
 from fastsft_lab.models import decoder_layers
 
-del model, opt, counter, loss, batches     # free the dense model before building the MoE one
+del model, opt, batches     # free the dense model before building the MoE one
 gc.collect()
 if DEVICE == "cuda":
     torch.cuda.empty_cache()
@@ -308,7 +279,7 @@ print("eager: syncs > 2 x experts hit, in every layer:", all(s > 2 * h for s, h 
 print("grouped_mm: syncs inside MoE layers:", sum(moe_syncs["grouped_mm"]))
 '''),
 ("md", r'''
-## Summary: what stock transformers already does, and the three costs this series removes
+## Summary and next bottleneck: what stock transformers already does, and the three costs this series removes
 The stock step measured above is not the slow path everywhere. Qwen3 with `sdpa` detects the packing once per
 forward (one sync per step) and builds one block-diagonal mask; transformers 5.x routes GPT-OSS experts through its
 `grouped_mm` path by default, with no sync inside the layers. The three glue costs are those of the paths people run

@@ -23,7 +23,10 @@ runs is read from the committed results (`fastsft_lab.lab.results`, also shipped
 **The outputs below** come from one H200 run (`SMOKE=0`, torch 2.11, transformers 5.17, 2026-12-04), except three
 cells rewritten after it: the full-depth summary, which only reads the committed results (the same on any machine),
 and the training check, which runs on the CPU in every run, both re-executed on a CPU (torch 2.13, 2026-12-04); and
-the closing cell, whose memory line was corrected and has not run on a GPU since (no output).
+the closing cell, whose memory line was corrected and has not run on a GPU since (no output). The live waterfall in
+the first section was drawn on the H200 with the earlier chain of bars (default -> packed with cached metadata ->
++ sync-free experts -> all fast); `plots.plot_waterfall` now draws default -> all naive -> all fast, as in the
+full-depth section.
 
 **The problem.** Each fix was measured alone at reduced depth. A user trains with all of them, at full depth, inside
 a trainer, with a fused loss and fast kernels underneath. The published figure for the combination is ~25% per step
@@ -81,7 +84,7 @@ print(why)
 print(dict(PRESET=PRESET, NUM_LAYERS=NUM_LAYERS, TOKENS=TOKENS, BACKEND=BACKEND, DEVICE=DEVICE, DTYPE=str(DTYPE)))
 '''),
 ("md", r'''
-## The stock step and the fixes, one at a time
+## Before and after, measured: the stock step and the fixes, one at a time
 The harness interleaves the variants step by step on the same batches (notebook 00). `combined_variants` is the
 benchmark's own list: transformers' default path, all naive (each fix in its "before" form), the waterfall
 (packed attention with cached metadata → + sync-free experts → + double-buffered offload = all fast), and the
@@ -343,6 +346,14 @@ for doc in breakdowns:
     print(describe_bottleneck(view))
 fig = plots.plot_breakdown(breakdowns)
 display(fig); plt.close(fig)
+'''),
+("md", r'''
+## What it costs
+All fast trades host resources and constraints for GPU time: pinned host memory for every offloaded layer input
+(tokens x hidden x 2 bytes per layer, per rank; the pool refuses in one line before the node runs out), one more
+staging buffer on the GPU, packed rows from a collator that keeps sequence lengths on the host, and the fused loss,
+which returns no logits with labels. Its peak GPU memory stands beside each variant in the tables above; against
+Unsloth, in its own table. Every switch turns off on its own, back to the original model to the bit.
 '''),
 ("md", r'''
 ## Summary

@@ -1,0 +1,51 @@
+"""Every notebook keeps the series' outline (what you will learn, prerequisites, the problem, the measured before and
+after, what it costs, a summary), a budget of code cells, and outputs a reader can read: no raw flags, no JSON."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import pytest
+
+NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parents[1] / "notebooks").glob("0*.ipynb"))
+CODE_CELL_BUDGET = 12          # the Colab cell included
+# Notebooks not yet cut to the budget (their outline holds): each comes off this list when reworked.
+OVER_BUDGET = {"01_packed_metadata.ipynb", "02_double_buffered_offload.ipynb", "03_moe_routing.ipynb",
+               "04_all_three_together.ipynb"}
+RAW_FLAG = re.compile(r"\b[a-z0-9]+(?:_[a-z0-9]+){2,}: (?:True|False)\b")      # target_1p5x_vs_save_on_cpu: True
+RAW_JSON = re.compile(r'^\s*[\[{]"', re.M)                                    # {"key": ...} printed as is
+
+
+def _cells(path):
+    return json.loads(path.read_text())["cells"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_notebook_has_the_outline(path):
+    cells = _cells(path)
+    md = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    first = "".join(cells[0]["source"])
+    for part in ("**What you will learn**", "**Prerequisites", "**The problem", "glossary"):
+        assert part in first, f"{path.name}: the first cell has no {part!r}"
+    heads = [line for line in md.splitlines() if line.startswith("## ")]
+    assert any("What it costs" in h for h in heads), f"{path.name}: no 'What it costs' section"
+    assert any(h.startswith("## Summary") for h in heads), f"{path.name}: no summary"
+    assert any(w in " ".join(heads) for w in ("measured", "Before", "naive path")), f"{path.name}: no measured before"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_outputs_print_no_raw_flags_or_json(path):
+    text = "".join("".join(o.get("text", "")) for c in _cells(path) if c["cell_type"] == "code"
+                   for o in c.get("outputs", []))
+    assert not RAW_FLAG.findall(text), f"{path.name}: raw flags printed: {RAW_FLAG.findall(text)[:3]}"
+    assert not RAW_JSON.findall(text), f"{path.name}: JSON printed as is"
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.xfail(
+    p.name in OVER_BUDGET, strict=True, reason="not yet cut to the code-cell budget")) for p in NOTEBOOKS],
+    ids=lambda p: p.stem)
+def test_code_cell_budget(path):
+    n = sum(1 for c in _cells(path) if c["cell_type"] == "code")
+    assert n <= CODE_CELL_BUDGET, f"{path.name}: {n} code cells (budget {CODE_CELL_BUDGET})"
