@@ -70,6 +70,13 @@ run_stage() {
     notebooks)
       SMOKE=0 MPLBACKEND=Agg timeout "$limit" python3 benchmarks/run_notebooks.py ${NOTEBOOKS:-notebooks/0*.ipynb} \
         > "$log" 2>&1 ;;
+    notebooks@*)
+      # the notebooks under an emulated smaller GPU (FASTSFT_DEVICE_PROFILE=t4|24gb), executed as copies in the
+      # results folder: the committed notebooks stay as the full-size run left them
+      local prof=${stage#notebooks@} dir="$R/notebooks-${stage#notebooks@}"
+      mkdir -p "$dir" && cp ${NOTEBOOKS:-notebooks/0*.ipynb} "$dir/"
+      FASTSFT_DEVICE_PROFILE="$prof" SMOKE=0 MPLBACKEND=Agg timeout "$limit" python3 benchmarks/run_notebooks.py \
+        "$dir"/0*.ipynb > "$log" 2>&1 ;;
     soak)
       timeout -s INT "$limit" python3 benchmarks/soak.py --out "$R/soak" ${SOAK_ARGS:-} > "$log" 2>&1 ;;
     unsloth)
