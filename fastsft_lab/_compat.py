@@ -47,10 +47,10 @@ def is_fsdp2(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def is_zero3_partitioned(module: nn.Module) -> bool:
-    """Whether DeepSpeed ZeRO-3 partitions ``module``'s parameters (it marks each with ``ds_id``; deepspeed
-    0.10-0.17): between its gather hooks they are empty placeholders."""
-    return any(hasattr(p, "ds_id") for p in module.parameters())
+def is_zero3_partitioned(params) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions any of ``params`` (it marks each with ``ds_id``; deepspeed 0.10-0.17):
+    between its gather hooks they are empty placeholders."""
+    return any(hasattr(p, "ds_id") for p in params)
 
 
 __all__ = ["compiled_inner", "ddp_inner", "is_fsdp1", "is_fsdp2", "is_zero3_partitioned"]

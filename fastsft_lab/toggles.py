@@ -21,7 +21,6 @@ from .model_state import ModelState, state
 def _check_model(model) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply() takes a transformers causal LM (nn.Module), got {type(model).__name__}")
-    unwrap(model)                    # refuses what it cannot see through (FSDP1), in its own words
     try:
         decoder_layers(model)
     except ValueError:
@@ -250,8 +249,8 @@ def apply(
             "offload_buffers": offload_buffers, "prefetch": prefetch, "moe_routing": moe_routing,
             "fused_loss": fused_loss, "fused_lora": fused_lora}
     # validate everything first: a bad argument must not leave the model half switched
+    model = unwrap(model)            # DDP / torch.compile: the switches act on the module they wrap; FSDP1 refused
     _check_model(model)
-    model = unwrap(model)            # DDP / torch.compile: the switches act on the module they wrap
     for opt in OPTIMIZATIONS:
         value = args[opt.name]
         if value is not None and not _is_off(opt, value):

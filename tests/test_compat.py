@@ -105,4 +105,8 @@ def test_wrapper_accessors():
     m = torch.nn.Linear(2, 2)
     assert C.compiled_inner(torch.compile(m, backend="eager")) is m and C.compiled_inner(m) is None
     assert C.ddp_inner(torch.nn.DataParallel(m)) is m and C.ddp_inner(m) is None
+    assert not C.is_zero3_partitioned(m.parameters())
+    p = torch.nn.Parameter(torch.ones(1))
+    p.ds_id = 3                          # how DeepSpeed ZeRO-3 marks a partitioned parameter
+    assert C.is_zero3_partitioned([p])
     assert not C.is_fsdp1(m) and not C.is_fsdp2(m)

@@ -306,7 +306,13 @@ def offloaded_checkpoint(function: Callable, *args, manager: OffloadManager, lay
         fn, fn_args, keywords = function.func, function.args, dict(function.keywords)
     leaves, spec = pytree.tree_flatten((list(args), keywords))
     grad_leaves = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-    params_need_grad = module is None or any(p.requires_grad for p in module.parameters())
+    layer_params = list(module.parameters()) if module is not None else []    # one pass per layer call
+    if is_zero3_partitioned(layer_params):
+        raise NotImplementedError("offloaded checkpointing under DeepSpeed ZeRO-3 is not supported (its partitioned "
+                                  "parameters are gathered by hooks it has not been tested with): shard with FSDP2's "
+                                  "fully_shard, or use offload_buffers=0")
+    trainable = [p for p in layer_params if p.requires_grad]
+    params_need_grad = module is None or bool(trainable)
     if not grad_leaves and not params_need_grad:
         return function(*args)   # nothing in this layer needs a gradient: no graph, nothing to offload
     offload_leaf = None
@@ -318,11 +324,7 @@ def offloaded_checkpoint(function: Callable, *args, manager: OffloadManager, lay
     # other layer's). Not under FSDP2: there module.parameters() are the sharded copies, while the recompute runs on
     # the unsharded ones fully_shard's pre-forward hook gathers; a nested backward accumulates into those, and
     # FSDP's own post-backward hook reduce-scatters them into the sharded .grad, as for a layer without offload.
-    if module is not None and is_zero3_partitioned(module):
-        raise NotImplementedError("offloaded checkpointing under DeepSpeed ZeRO-3 is not supported (its partitioned "
-                                  "parameters are gathered by hooks it has not been tested with): shard with FSDP2's "
-                                  "fully_shard, or use offload_buffers=0")
-    params = None if module is None or is_fsdp2(module) else [p for p in module.parameters() if p.requires_grad]
+    params = None if module is None or is_fsdp2(module) else trainable
     call = _Call(manager=manager, fn=fn, fn_args=fn_args, leaves=leaves, spec=spec, offload_leaf=offload_leaf,
                  grad_leaves=grad_leaves, entry=None, trace_layer=layer_index, params=params,
                  autocast=_autocast_state(manager.device.type))
