@@ -44,10 +44,18 @@ def _dates(docs: list[dict]) -> str:
     return days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}" if days else "undated"
 
 
+def _full_layers(model: str) -> int | None:
+    preset = PRESETS.get(model)
+    return preset.config.get("num_hidden_layers") if preset else None
+
+
+def _is_full_depth(c: dict) -> bool:
+    return _full_layers(c["model"]) is not None and c.get("num_layers") == _full_layers(c["model"])
+
+
 def _depth(c: dict) -> str:
     """'all 40 layers' at the preset's full depth, else '8 of 40 layers'."""
-    preset = PRESETS.get(c["model"])
-    full = preset.config.get("num_hidden_layers") if preset else None
+    full = _full_layers(c["model"])
     if full is None or full == c["num_layers"]:
         return f"all {c['num_layers']} layers"
     return f"{c['num_layers']} of {full} layers"
@@ -467,19 +475,16 @@ def headline_table() -> str:
         padded = " (padded rows)" if r["layout"] == "padded" and r["system"].startswith("Unsloth") else ""
         out.append(f"| {r['model']} | {r['system']}{padded} | {r['step_ms']:.1f} | {r['speed']:.2f}x | "
                    f"{r['peak_gib']:.1f} | `{r['run']}` |")
-    careful = []
-    for model in dict.fromkeys(d["config"]["model"] for d in R.combined_results()):
+    careful, full_depth = [], [d for d in R.combined_results() if _is_full_depth(d["config"])]
+    for model in dict.fromkeys(d["config"]["model"] for d in full_depth):
         ratios, runs = [], set()
-        for d in R.combined_results():
-            c = d["config"]
+        for d in full_depth:
             v = {x["name"]: x for x in d["variants"] if "step_ms" in x}
-            full = c["model"] in PRESETS and c.get("num_layers") == PRESETS[c["model"]].config.get("num_hidden_layers")
-            if c["model"] == model and full and "all fast" in v and "all naive" in v:
+            if d["config"]["model"] == model and "all fast" in v and "all naive" in v:
                 ratios.append(v["all naive"]["step_ms"]["median"] / v["all fast"]["step_ms"]["median"])
                 runs.add(R.run_of(d))
         if ratios:
-            careful.append(f"{min(ratios):.2f}–{max(ratios):.2f}x at {model} (all "
-                           f"{PRESETS[model].config.get('num_hidden_layers')} layers; "
+            careful.append(f"{min(ratios):.2f}–{max(ratios):.2f}x at {model} (all {_full_layers(model)} layers; "
                            f"{len(ratios)} configurations, runs {', '.join(f'`{r}`' for r in sorted(runs))})")
     if careful:
         out.append("\nAgainst a careful baseline instead of stock (**all naive**: the same kernels, each fix in its "
@@ -514,8 +519,7 @@ def combined_summary(tokens: int = 8192, autocast: str = "bf16") -> list[tuple[s
     waterfall to draw (the floor that ran the most variants, the fast one on a tie). ``[(model, table, doc)]``."""
     out = []
     docs = [d for d in R.combined_results() if d["config"].get("tokens_per_step") == tokens
-            and d["config"].get("autocast", "none") == autocast and d["config"]["model"] in PRESETS
-            and d["config"].get("num_layers") == PRESETS[d["config"]["model"]].config.get("num_hidden_layers")]
+            and d["config"].get("autocast", "none") == autocast and _is_full_depth(d["config"])]
     for model in dict.fromkeys(d["config"]["model"] for d in docs):
         mine = sorted((d for d in docs if d["config"]["model"] == model), key=lambda d: d["config"]["kernels"] != "none")
         names = list(dict.fromkeys(v["name"] for d in mine for v in d["variants"] if "step_ms" in v))
