@@ -22,11 +22,13 @@ class ModelState:
         packed_cache: True = metadata built once per batch, False = the naive per-layer rebuild (None when off).
         offload_buffers: 0 (no offload), 1 or 2 staging buffers.
         prefetch: offload prefetch on (False when no offload).
-        checkpointing: ``"none"``, ``"standard"`` (transformers' own) or ``"offload"``.
+        checkpointing: ``"none"``, ``"standard"`` (transformers' own), ``"offload"`` or ``"plan"`` (a per-layer
+            plan for a memory budget: :mod:`fastsft_lab.offload.plan`).
         moe_routing: the routing mode fastsft_lab switched the experts to (``"naive"`` / ``"grouped"`` /
             ``"sync_free"``, or a stock name asked for), None when it did not switch them.
         fused_loss: the loss is :func:`fastsft_lab.loss.linear_cross_entropy` (no logits materialised).
         fused_lora: the PEFT LoRA layers run :func:`fastsft_lab.lora.fused_lora_forward`.
+        memory_plan: with ``memory_budget``, the plan's choices per layer and its predicted peak (None otherwise).
     """
 
     packed: str | None = None
@@ -37,6 +39,7 @@ class ModelState:
     moe_routing: str | None = None
     fused_loss: bool = False
     fused_lora: bool = False
+    memory_plan: str | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)

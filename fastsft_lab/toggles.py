@@ -89,6 +89,11 @@ def _enable_cache(model, value, args) -> None:
 
 
 # -- offloaded checkpointing (optimization 2) ------------------------------------------------------------------------
+def _budget_given(args) -> bool:
+    budget = args.get("memory_budget")
+    return budget is not None and not _is_off(BUDGET, budget)
+
+
 def _validate_offload(model, value, args) -> None:
     from .offload.manager import _check_buffers
 
@@ -99,12 +104,25 @@ def _validate_offload(model, value, args) -> None:
         _check_buffers(value, prefetch)
     elif prefetch:
         raise ValueError("prefetch needs offload_buffers=2")
+    if value == 0 and _budget_given(args):
+        raise ValueError("memory_budget chooses the checkpointing of each layer, offload_buffers=0 (standard "
+                         "checkpointing everywhere) contradicts it: leave offload_buffers out, or give 1 or 2 (the "
+                         "staging buffers of the layers the plan offloads)")
 
 
 def _enable_offload(model, value, args) -> None:
+    from .offload.plan import disable_memory_plan, memory_planner
     from .offload.switch import (disable_offloaded_checkpointing, enable_offloaded_checkpointing,
                                  enable_standard_checkpointing, is_offloaded)
 
+    if _budget_given(args):
+        return                     # the memory plan offloads with these buffers (_enable_budget)
+    if memory_planner(model) is not None:
+        import warnings
+
+        warnings.warn(f"offload_buffers={value} set by hand replaces the memory plan (memory_budget off)",
+                      stacklevel=4)
+        disable_memory_plan(model)
     if value == 0:                 # standard checkpointing: transformers' own, no copies
         if is_offloaded(model):
             disable_offloaded_checkpointing(model)
@@ -114,8 +132,10 @@ def _enable_offload(model, value, args) -> None:
 
 
 def _disable_offload(model) -> None:
+    from .offload.plan import disable_memory_plan
     from .offload.switch import disable_offloaded_checkpointing, disable_standard_checkpointing, is_offloaded
 
+    disable_memory_plan(model)
     if is_offloaded(model):
         disable_offloaded_checkpointing(model, release_pool=True)
     disable_standard_checkpointing(model)      # only what apply turned on; the user's own stays
@@ -123,8 +143,63 @@ def _disable_offload(model) -> None:
 
 def _validate_prefetch(model, value, args) -> None:
     buffers = args.get("offload_buffers")
+    if buffers is None and _budget_given(args):
+        return                     # the plan's offloaded layers use two buffers
     if buffers is None or (isinstance(buffers, (str, bool)) and buffers in ("off", False)):
         raise ValueError("prefetch needs offload_buffers=2")
+
+
+# -- the checkpointing plan for a memory budget ----------------------------------------------------------------------
+def _validate_budget(model, value, args) -> None:
+    from .models import model_device
+    from .offload.plan import device_memory, parse_budget
+    from .offload.switch import resolve_device
+
+    buffers = args.get("offload_buffers")
+    if isinstance(buffers, (str, bool)) and buffers in ("off", False):
+        raise ValueError("memory_budget offloads the layers it cannot keep: offload_buffers='off' contradicts it")
+    parse_budget(value, *device_memory(resolve_device(model_device(model))))
+    _validate_max_tokens(model, args.get("max_tokens"), args)
+
+
+def _validate_max_tokens(model, value, args) -> None:
+    from .offload.plan import memory_planner
+
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"max_tokens must be a positive int (the most tokens a batch can have), got {value!r}")
+    if not _budget_given(args) and memory_planner(model) is None:
+        raise ValueError("max_tokens needs memory_budget=<GiB> (now or in an earlier apply)")
+
+
+def _enable_budget(model, value, args) -> None:
+    import warnings
+
+    from .offload.plan import disable_memory_plan, enable_memory_plan, memory_planner
+    from .offload.switch import is_offloaded
+
+    if memory_planner(model) is not None:
+        disable_memory_plan(model)
+    elif not is_offloaded(model) and getattr(base_model(model), "is_gradient_checkpointing", False):
+        warnings.warn("memory_budget replaces the model's own gradient checkpointing with a per-layer plan; "
+                      "revert() (or memory_budget='off') gives it back", stacklevel=4)
+    buffers = args.get("offload_buffers") or 2
+    enable_memory_plan(model, value, buffers=buffers, prefetch=args.get("prefetch"), max_tokens=args.get("max_tokens"))
+
+
+def _disable_budget(model) -> None:
+    from .offload.plan import disable_memory_plan
+
+    disable_memory_plan(model)
+
+
+def _enable_max_tokens(model, value, args) -> None:
+    from .offload.plan import memory_planner
+
+    planner = memory_planner(model)
+    if not _budget_given(args) and planner is not None:     # with a budget, _enable_budget passed it already
+        planner.max_tokens = value
 
 
 # -- MoE routing (optimization 3) ------------------------------------------------------------------------------------
@@ -194,13 +269,16 @@ def _nothing(model, *args) -> None:
 
 
 PACKED = Optimization("packed_attention", _validate_packed, _enable_packed, _disable_packed, off=("off", False))
-# The switches in the order apply enables them (revert disables in the reverse order). packed_metadata_cache and
-# prefetch are modes of packed attention and of the offload: they have no "off" of their own.
+BUDGET = Optimization("memory_budget", _validate_budget, _enable_budget, _disable_budget, off=("off", False))
+# The switches in the order apply enables them (revert disables in the reverse order). packed_metadata_cache,
+# prefetch and max_tokens are modes of packed attention, of the offload and of the memory plan: no "off" of their own.
 OPTIMIZATIONS: tuple[Optimization, ...] = (
     PACKED,
     Optimization("packed_metadata_cache", _validate_cache, _enable_cache, _nothing),
     Optimization("offload_buffers", _validate_offload, _enable_offload, _disable_offload, off=("off", False)),
     Optimization("prefetch", _validate_prefetch, _nothing, _nothing),
+    BUDGET,
+    Optimization("max_tokens", _validate_max_tokens, _enable_max_tokens, _nothing),
     Optimization("moe_routing", _validate_moe, _enable_moe, _disable_moe, off=("off", False)),
     Optimization("fused_loss", _validate_flag("fused_loss"), _enable_fused_loss, _disable_fused_loss, off=(False,)),
     Optimization("fused_lora", _validate_fused_lora, _enable_fused_lora, _disable_fused_lora, off=(False,)),
@@ -217,6 +295,8 @@ def apply(
     moe_routing: str | bool | None = None,
     fused_loss: bool | None = None,
     fused_lora: bool | None = None,
+    memory_budget: float | str | bool | None = None,
+    max_tokens: int | None = None,
 ) -> ModelState:
     """Switch optimizations on (or between modes) on ``model``.
 
@@ -238,6 +318,14 @@ def apply(
             host sync); the fast-kernel floor under the three optimizations, not one of them.
         fused_lora: True adds each PEFT LoRA adapter into its base layer's output with one in-place GEMM in the
             activations' dtype (:mod:`fastsft_lab.lora`); fast-kernel floor too. Refused for DoRA / LoRA biases.
+        memory_budget: GiB (``80``) or a share of the device's free memory (``"90%"``): each decoder layer keeps
+            its activations, saves only matmul / attention outputs, or is checkpointed (input kept or offloaded),
+            whichever plan is fastest within the budget (:mod:`fastsft_lab.offload.plan`; measured on step 1,
+            solved at step 2, shown by ``state(model).memory_plan``). Exact: every plan computes what plain
+            training computes. ``offload_buffers`` 1 or 2 sets the staging buffers of the layers it offloads;
+            a later ``offload_buffers`` alone replaces the plan. ``"off"`` / False: off.
+        max_tokens: with ``memory_budget``, the most tokens a batch can have: the plan holds the budget for it
+            (default: re-plans when a larger batch arrives).
 
     Every argument left at None leaves its switch as it is; each switch is an :class:`Optimization` of
     :data:`OPTIMIZATIONS`, validated all before any is changed.
@@ -247,7 +335,8 @@ def apply(
     """
     args = {"packed_attention": packed_attention, "packed_metadata_cache": packed_metadata_cache,
             "offload_buffers": offload_buffers, "prefetch": prefetch, "moe_routing": moe_routing,
-            "fused_loss": fused_loss, "fused_lora": fused_lora}
+            "fused_loss": fused_loss, "fused_lora": fused_lora, "memory_budget": memory_budget,
+            "max_tokens": max_tokens}
     # validate everything first: a bad argument must not leave the model half switched
     model = unwrap(model)            # DDP / torch.compile: the switches act on the module they wrap; FSDP1 refused
     _check_model(model)

@@ -132,6 +132,8 @@ ROUND_TRIPS = [
     ("tiny-qwen3", {"fused_lora": True}, {"fused_lora": False}),
     ("tiny-gpt-oss", {"moe_routing": "sync_free"}, {"moe_routing": "off"}),
     ("tiny-gpt-oss", {"packed_attention": "sdpa"}, {"packed_attention": False}),
+    ("tiny-qwen3", {"memory_budget": 16}, {"memory_budget": "off"}),
+    ("tiny-gpt-oss", {"memory_budget": 16, "offload_buffers": 1}, {"memory_budget": False}),
 ]
 
 

@@ -1,0 +1,569 @@
+"""The fastest exact checkpointing plan for a memory budget: keep what fits, recompute the rest, the cheap part first.
+
+Checkpointing is all or nothing in transformers, TRL and Unsloth: every layer recomputes its forward, whatever memory
+the GPU has left. Here each decoder layer gets one of four choices, from the most memory and the least time to the
+least memory and the most time::
+
+    keep        plain autograd: every activation saved, nothing recomputed
+    selective   torch's selective checkpoint: matmul and attention outputs saved, the cheap elementwise ops,
+                norms and activations recomputed (``create_selective_checkpoint_contexts``)
+    checkpoint  the layer input kept on the GPU, the whole layer recomputed (transformers' own checkpointing)
+    offload     the layer input offloaded to pinned host memory with the double buffer (this package's manager),
+                the whole layer recomputed; costs time only where a reload is longer than the backward it hides
+                behind
+
+Every choice computes the same numbers as plain training (a recompute runs the same kernels on the same inputs, the
+RNG state replayed), so any mix of them is exact.
+
+How a plan is made (:class:`MemoryPlanner`, switched on by ``apply(model, memory_budget=...)``):
+
+1. step 1 runs with every layer offloaded -- the smallest plan, so it fits wherever any plan fits. On the first
+   call of each kind of layer (full and sliding-window attention differ) the layer is measured on the step's own
+   input, outside the step: the time of its forward + backward under each choice, the bytes each choice holds from
+   forward to backward, and the host-link time of its input (:func:`measure_layer`). The step's peak memory is read
+   at its end (CUDA).
+2. at the start of step 2 the plan is solved (:func:`solve`): the per-layer choices that minimise the predicted
+   step time with ``peak(all offloaded) + sum(bytes held per layer) <= budget``, exactly (a dynamic programme over
+   the layers). It is logged and shown by :func:`fastsft_lab.state`.
+3. a later batch with more tokens than the plan was made for re-plans on the host (token counts are shapes: no host
+   sync); ``max_tokens`` plans for the largest batch up front.
+
+What the prediction leaves out: the optimizer's state when step 1 ran before the first ``optimizer.step()`` (it
+adds ``optimizer_bytes_per_param`` bytes, 8 = Adam in float32, per trainable parameter), and allocator
+fragmentation (keep a margin in the budget). On a CPU the peak of step 1 is not measured: the model's own bytes
+and the largest layer's activations stand for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+import weakref
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from .._compat import TorchDispatchMode, is_fsdp2, pytree
+from ..model_state import register_state_reader
+from .switch import disable_offloaded_checkpointing, enable_offloaded_checkpointing, resolve_device
+
+logger = logging.getLogger(__name__)
+
+CHOICES = ("keep", "selective", "checkpoint", "offload")
+GiB = 1 << 30
+
+# The ops whose outputs the selective choice saves: the matmuls and attention kernels (the expensive part of a layer,
+# recomputing them costs as much as the forward). Everything else (norms, rotary, activations, residual adds,
+# dequantisation) is recomputed.
+_SAVED_OP_NAMES = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_dot_product_flash_attention",
+                   "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+                   "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward")
+SAVED_OPS = frozenset(getattr(torch.ops.aten, n) for n in _SAVED_OP_NAMES if hasattr(torch.ops.aten, n))
+
+
+@functools.lru_cache(maxsize=None)
+def _policy(unsaved: frozenset) -> Callable:
+    def save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        packet = getattr(op, "overloadpacket", op)
+        if packet in SAVED_OPS and packet not in unsaved:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return save_matmuls
+
+
+def selective_checkpoint(function: Callable, *args, unsaved: frozenset = frozenset(), **kwargs) -> Any:
+    """``function(*args)`` under torch's selective checkpoint: matmul and attention outputs saved, the rest
+    recomputed in backward. A drop-in for a layer's ``_gradient_checkpointing_func``.
+
+    ``unsaved``: ops of :data:`SAVED_OPS` to recompute anyway -- those whose output the layer changes in place
+    (transformers' grouped-mm experts scale theirs): a saved output changed after saving would be wrong in the
+    recompute, and torch refuses it (:func:`measure_layer` finds them)."""
+    return checkpoint(function, *args, use_reentrant=False,
+                      context_fn=functools.partial(create_selective_checkpoint_contexts, _policy(unsaved)))
+
+
+def full_checkpoint(function: Callable, *args, **kwargs) -> Any:
+    """``function(*args)`` under torch's non-reentrant checkpoint (what transformers' own checkpointing runs)."""
+    return checkpoint(function, *args, use_reentrant=False)
+
+
+# -- measuring one layer ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerCost:
+    """What one kind of decoder layer costs under each choice, at ``tokens`` tokens.
+
+    ``seconds[c]``: forward + backward under choice ``c`` (for ``offload``: the checkpoint's time plus the reload
+    and the store that the double buffer cannot hide). ``held[c]``: bytes kept on the GPU from the layer's forward
+    to its backward. Both grow with the tokens: :meth:`at` scales them linearly (the packed backends' attention
+    memory is linear in tokens)."""
+
+    kind: str
+    tokens: int
+    seconds: dict[str, float]
+    held: dict[str, int]
+    unsaved: frozenset = frozenset()      # SAVED_OPS the layer changes in place: recomputed by ``selective``
+
+    def at(self, tokens: int) -> "LayerCost":
+        if tokens == self.tokens:
+            return self
+        r = tokens / self.tokens
+        return replace(self, tokens=tokens, seconds={c: s * r for c, s in self.seconds.items()},
+                       held={c: int(math.ceil(b * r)) for c, b in self.held.items()})
+
+
+class _SavedBytes:
+    """Counts, during one forward, the bytes autograd saves (unique storages, parameters left out) and the bytes of
+    the outputs of the ops the selective choice saves."""
+
+    def __init__(self, exclude: set[int]):
+        self.exclude = exclude
+        self.saved: dict[int, int] = {}
+        self.selective: dict[int, tuple[int, Any, torch.Tensor, int]] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in self.exclude:
+            self.saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    def mode(self) -> TorchDispatchMode:
+        counter = self
+
+        class _Outputs(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func.overloadpacket in SAVED_OPS:
+                    for t in pytree.tree_leaves(out):
+                        if isinstance(t, torch.Tensor):
+                            st = t.untyped_storage()
+                            counter.selective[st.data_ptr()] = (st.nbytes(), func.overloadpacket, t, t._version)
+                return out
+
+        return _Outputs()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _first_tensor(out) -> torch.Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _timed(device: torch.device, fn: Callable[[], Any], repeats: int) -> float:
+    fn()                                  # warm-up: first-use allocations and autotuning stay out of the figure
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Tensor], *, kind: str = "layer",
+                  buffers: int = 2, repeats: int = 3) -> LayerCost:
+    """Measure one decoder layer call ``function(x)`` under every choice, on a detached copy of its input.
+
+    ``params``: the layer's trainable parameters (their gradients are computed, not accumulated: ``.grad`` is left
+    as it was). The caller keeps the RNG and transformers' output collectors out of it (:class:`MemoryPlanner`
+    does). Returns the layer's :class:`LayerCost` at ``x``'s token count."""
+    device = x.device
+    params = list(params)
+    inp = x.detach().requires_grad_(True)
+    exclude = {p.untyped_storage().data_ptr() for p in params}
+
+    def step(run: Callable) -> None:
+        out = _first_tensor(run(function, inp))
+        torch.autograd.grad([out], [inp, *params], torch.ones_like(out), allow_unused=True)
+
+    # bytes held from forward to backward: what autograd saves (keep), the input plus the saved matmul and
+    # attention outputs (selective), the input alone (checkpoint), nothing (offload)
+    count = _SavedBytes(exclude)
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    with torch.autograd.graph.saved_tensors_hooks(count.pack, lambda t: t), count.mode():
+        out = _first_tensor(function(inp))
+    in_bytes = inp.untyped_storage().nbytes()
+    keep = sum(count.saved.values())
+    if device.type == "cuda":      # also what autograd keeps outside saved tensors (a Function's attributes)
+        keep = max(keep, torch.cuda.memory_allocated(device) - before - out.untyped_storage().nbytes())
+    del out
+    records = [r for p, r in count.selective.items() if p != inp.untyped_storage().data_ptr()]
+    unsaved = frozenset(op for _, op, t, version in records if t._version != version)
+    selective = in_bytes + sum(b for b, op, _, _ in records if op not in unsaved)
+    del records, count
+
+    runners: dict[str, Callable] = {"keep": lambda f, a: f(a), "selective": functools.partial(
+        selective_checkpoint, unsaved=unsaved), "checkpoint": full_checkpoint}
+    seconds = {c: _timed(device, functools.partial(step, run), repeats) for c, run in runners.items()}
+
+    # the host link: what a reload costs where the double buffer cannot hide it behind the next layer's backward
+    host = torch.empty(inp.shape, dtype=inp.dtype, pin_memory=device.type == "cuda")
+    d2h = _timed(device, lambda: host.copy_(inp, non_blocking=True), repeats)
+    h2d = _timed(device, lambda: inp.detach().copy_(host, non_blocking=True), repeats)
+    fwd = _timed(device, lambda: function(inp.detach()), repeats)
+    bwd = max(seconds["keep"] - fwd, 0.0)
+    exposed = h2d if buffers == 1 else max(h2d - bwd, 0.0)
+    seconds["offload"] = seconds["checkpoint"] + exposed + max(d2h - fwd, 0.0)
+    held = {"keep": keep, "selective": selective, "checkpoint": in_bytes, "offload": 0}
+    return LayerCost(kind, int(x.shape[:-1].numel()), seconds, held, unsaved)
+
+
+# -- solving the plan ------------------------------------------------------------------------------------------------
+class BudgetError(ValueError):
+    """The budget cannot be met by any plan (the message names the smallest budget that works)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One choice per decoder layer, with what it was predicted to cost."""
+
+    choices: tuple[str, ...]
+    budget: int                  # bytes
+    peak: int                    # predicted peak bytes of a step
+    seconds: float               # predicted decoder-layer time of a step (forward + backward)
+    tokens: int
+    by_hand: bool = False        # set by :func:`set_plan`, not solved
+
+    def counts(self) -> dict[str, int]:
+        return {c: self.choices.count(c) for c in CHOICES if c in self.choices}
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{n} {c}" for c, n in self.counts().items())
+        if self.by_hand:
+            return f"{parts} (set by hand)"
+        return (f"{parts} (predicted peak {self.peak / GiB:.1f} of {self.budget / GiB:.1f} GiB at {self.tokens} "
+                f"tokens, layers {self.seconds * 1e3:.0f} ms)")
+
+
+def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 0,
+          choices: Sequence[str] = CHOICES) -> Plan:
+    """The per-layer choices with the least predicted time whose predicted peak fits ``budget`` bytes, exactly.
+
+    A dynamic programme over the layers keeps, after each layer, the Pareto front of (bytes held, time) over the
+    choices so far -- a partial plan that holds more bytes *and* takes longer than another can never be part of the
+    best plan -- so the answer is the exact optimum, to the byte (layers of one kind keep the front small).
+
+    Args:
+        costs: each decoder layer's :class:`LayerCost`, in order, at the tokens to plan for.
+        budget: bytes the step may peak at.
+        base: predicted peak with every layer offloaded (weights, optimizer state, logits, the recompute's
+            workspace and the staging buffers all in it).
+        staging: the offload's staging buffers, in ``base``: a plan that offloads no layer does not need them.
+
+    Raises:
+        BudgetError: when not even every layer offloaded fits.
+    """
+    if base > budget:
+        raise BudgetError(f"memory_budget {budget / GiB:.2f} GiB is below the smallest plan's peak "
+                          f"({base / GiB:.2f} GiB, every layer offloaded): give at least {base / GiB:.2f} GiB")
+    best: Plan | None = None
+    # two cases: some layer offloads (the staging buffers are paid), or none does (they are not)
+    for allowed, slack in ((tuple(choices), budget - base),
+                           (tuple(c for c in choices if c != "offload"), budget - base + staging)):
+        if not allowed or slack < 0:
+            continue
+        # front: (bytes held, seconds, choices as a linked list (previous, choice)), bytes ascending and
+        # seconds strictly descending
+        front: list[tuple[int, float, Any]] = [(0, 0.0, None)]
+        for cost in costs:
+            options = [(cost.held[c], cost.seconds[c], c) for c in allowed]
+            cand = sorted((b + w, t + s, (cs, c)) for b, t, cs in front for w, s, c in options if b + w <= slack)
+            front = []
+            for b, t, cs in cand:
+                if not front or t < front[-1][1]:
+                    front.append((b, t, cs))
+            if not front:
+                break
+        if not front:
+            continue
+        held, seconds, node = front[-1]               # the most bytes that fit buy the least time
+        picked: list[str] = []
+        while node is not None:
+            node, c = node
+            picked.append(c)
+        cs_ = tuple(reversed(picked))
+        if len(cs_) != len(costs):
+            continue
+        peak = base + held - (0 if "offload" in cs_ else staging)
+        plan = Plan(cs_, budget, peak, seconds, costs[0].tokens if costs else 0)
+        if best is None or (plan.seconds, plan.peak) < (best.seconds, best.peak):
+            best = plan
+    if best is None:      # only when "offload" is not among the choices
+        raise BudgetError(f"memory_budget {budget / GiB:.2f} GiB: no plan of {', '.join(choices)} fits")
+    return best
+
+
+# -- on a live model -------------------------------------------------------------------------------------------------
+def parse_budget(value, total: int | None, free: int | None) -> int:
+    """``memory_budget`` in bytes: a number of GiB (``80``) or a share of the device's free memory (``"90%"``)."""
+    forms = "a size in GiB (e.g. 80) or a share of the device's free memory (e.g. '90%')"
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            share = float(value.strip()[:-1])
+        except ValueError:
+            share = -1.0
+        if not 0 < share <= 100:
+            raise ValueError(f"memory_budget {value!r}: a share must be between 0% and 100%; {forms}")
+        if free is None:
+            raise ValueError(f"memory_budget {value!r}: this device does not report its free memory; give {forms}")
+        return int(free * share / 100)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"memory_budget must be {forms}, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"memory_budget must be positive, got {value!r}: {forms}")
+    budget = int(value * GiB)
+    if total is not None and budget > total:
+        raise ValueError(f"memory_budget {value} GiB is above the device's memory ({total / GiB:.1f} GiB): "
+                         f"give {forms}")
+    return budget
+
+
+def device_memory(device: torch.device) -> tuple[int | None, int | None]:
+    """(total, free) bytes of ``device``: the GPU's, or the host's physical memory for a CPU (free unknown)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return total, free
+    try:
+        import os
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), None
+    except (ValueError, OSError, AttributeError):
+        return None, None
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class MemoryPlanner:
+    """A model's memory plan: measures on step 1, solves at step 2, re-plans for larger batches (module docstring).
+
+    ``kinds[i]``: the kind of layer i (layers of one kind share a measurement); ``offload[i]``: layer i's offloaded
+    checkpoint function; ``costs``: the measurements by kind; ``plan``: the current :class:`Plan` (None while
+    measuring)."""
+
+    budget: int
+    device: torch.device
+    kinds: list[str]
+    offload: list[Callable]
+    buffers: int = 2
+    max_tokens: int | None = None
+    optimizer_bytes_per_param: int = 8
+    layers: list = field(default_factory=list)          # weakrefs to the decoder layers
+    costs: dict[str, LayerCost] = field(default_factory=dict)
+    plan: Plan | None = None
+    steps: int = 0
+    static: int = 0            # bytes allocated at step 1's first layer, less its input (weights, optimizer, ...)
+    peak: int | None = None    # step 1's measured peak (CUDA)
+    tokens: int = 0            # tokens of step 1
+    allowance: int = 0         # optimizer state not yet allocated at step 1
+    staging: int = 0           # the staging buffers at step 1's tokens
+    fixed_cpu: int = 0         # the model's own bytes (the CPU's stand-in for a measured peak)
+
+    def layer_func(self, index: int) -> Callable:
+        return _PlannedLayer(self, index)
+
+    def call(self, index: int, function: Callable, args: tuple, kwargs: dict) -> Any:
+        if not torch.is_grad_enabled():
+            return function(*args)
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if index == 0 and x is not None:
+            self._step_start(x)
+        if self.plan is None:
+            kind = self.kinds[index]
+            if kind not in self.costs and x is not None:
+                layer = self.layers[index]()
+                self._measure(index, kind, function, x,
+                              [p for p in layer.parameters() if p.requires_grad] if layer is not None else [])
+            return self.offload[index](function, *args, **kwargs)
+        choice = self.plan.choices[index]
+        if choice == "keep":
+            return function(*args)
+        if choice == "selective":
+            return selective_checkpoint(function, *args, unsaved=self._unsaved(index, function, args))
+        if choice == "checkpoint":
+            return full_checkpoint(function, *args)
+        return self.offload[index](function, *args, **kwargs)
+
+    def _unsaved(self, index: int, function: Callable, args: tuple) -> frozenset:
+        cost = self.costs.get(self.kinds[index])
+        if cost is None:      # a plan set by hand before any measurement: find the in-place ops once
+            x = args[0]
+            layer = self.layers[index]()
+            params = [p for p in layer.parameters() if p.requires_grad] if layer is not None else []
+            cost = self._measure(index, self.kinds[index], function, x, params, reset_peak=False)
+        return cost.unsaved
+
+    def _step_start(self, x: torch.Tensor) -> None:
+        self.steps += 1
+        tokens = int(x.shape[:-1].numel())
+        if self.steps == 1:
+            self.tokens = tokens
+            in_bytes = x.numel() * x.element_size()
+            self.staging = self.buffers * in_bytes
+            if self.device.type == "cuda":
+                self.static = torch.cuda.memory_allocated(self.device) - in_bytes
+            params = [p for ref in self.layers if (layer := ref()) is not None for p in layer.parameters()]
+            trainable = [p for p in params if p.requires_grad]
+            if trainable and all(p.grad is None for p in trainable):
+                self.allowance = self.optimizer_bytes_per_param * sum(p.numel() for p in trainable)
+            return
+        if self.steps == 2 and self.device.type == "cuda":
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        target = max(tokens, self.max_tokens or 0)
+        if self.plan is None or target > self.plan.tokens:
+            self.plan = self.solve(target)
+            logger.info("fastsft_lab memory plan: %s", self.plan.describe())
+
+    def _measure(self, index: int, kind: str, function: Callable, x: torch.Tensor, params: list, *,
+                 reset_peak: bool = True) -> LayerCost:
+        from .checkpoint import _private_collector
+
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), _private_collector():
+            cost = self.costs[kind] = measure_layer(function, x, params, kind=kind, buffers=self.buffers)
+        if reset_peak and self.device.type == "cuda":   # the measurement's own allocations stay out of the peak
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return cost
+
+    def base(self, tokens: int) -> int:
+        """Predicted peak with every layer offloaded, at ``tokens`` tokens."""
+        r = tokens / self.tokens
+        if self.peak is not None:
+            return self.static + int(math.ceil((self.peak - self.static) * r)) + self.allowance
+        worst = max(c.at(tokens).held["keep"] for c in self.costs.values())    # the recompute's activations
+        return self.fixed_cpu + self.allowance + int(math.ceil(self.staging * r)) + worst
+
+    def solve(self, tokens: int) -> Plan:
+        costs = [self.costs[k].at(tokens) for k in self.kinds]
+        return solve(costs, self.budget, self.base(tokens),
+                     staging=int(math.ceil(self.staging * tokens / self.tokens)))
+
+    def describe(self) -> str:
+        if self.plan is None:
+            return f"budget {self.budget / GiB:.1f} GiB: measuring (every layer offloaded until step 2)"
+        return f"budget {self.budget / GiB:.1f} GiB: {self.plan.describe()}"
+
+
+class _PlannedLayer:
+    """A decoder layer's ``_gradient_checkpointing_func`` while a memory plan is on: the planner picks."""
+
+    def __init__(self, planner: MemoryPlanner, index: int):
+        self._planner = weakref.ref(planner)
+        self.index = index
+
+    def __call__(self, function: Callable, *args, **kwargs):
+        planner = self._planner()
+        if planner is None:
+            raise RuntimeError("the memory plan of this layer was switched off while the layer was running")
+        return planner.call(self.index, function, args, kwargs)
+
+    def __repr__(self) -> str:
+        planner = self._planner()
+        choice = planner.plan.choices[self.index] if planner is not None and planner.plan else "measuring"
+        return f"PlannedCheckpoint(layer={self.index}, {choice})"
+
+
+_PLANNERS: "weakref.WeakKeyDictionary[nn.Module, MemoryPlanner]" = weakref.WeakKeyDictionary()
+
+
+def layer_kinds(model: nn.Module) -> list[str]:
+    """One name per decoder layer; layers of one name cost the same (the config's ``layer_types`` where it has
+    one: full and sliding-window attention)."""
+    from ..models import base_model, decoder_layers
+
+    layers = decoder_layers(model)
+    types = getattr(base_model(model).config, "layer_types", None)
+    return [f"{type(layer).__name__}:{types[i] if types and i < len(types) else ''}"
+            for i, layer in enumerate(layers)]
+
+
+def enable_memory_plan(model: nn.Module, budget, *, buffers: int = 2, prefetch: bool | None = None,
+                       max_tokens: int | None = None, optimizer_bytes_per_param: int = 8) -> MemoryPlanner:
+    """Switch a per-layer checkpointing plan for ``budget`` on (see the module docstring); returns its planner.
+
+    Args:
+        budget: GiB (``80``) or a share of the device's free memory (``"90%"``).
+        buffers, prefetch: the staging buffers of the layers the plan offloads (:func:`enable_offloaded_checkpointing`).
+        max_tokens: the largest batch the collator emits: plan for it from step 2 on (default: the largest seen).
+        optimizer_bytes_per_param: optimizer state per trainable parameter not allocated yet at step 1.
+    """
+    from ..models import base_model, decoder_layers, model_device
+
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                   or max_tokens <= 0):
+        raise ValueError(f"max_tokens must be a positive int (the most tokens a batch can have), got {max_tokens!r}")
+    key = base_model(model)
+    if is_fsdp2(key) or any(is_fsdp2(m) for m in decoder_layers(model)):
+        raise NotImplementedError("memory_budget under FSDP2 is not supported (the plan measures unsharded layers): "
+                                  "use offload_buffers=2")
+    device = resolve_device(model_device(model))
+    total, free = device_memory(device)
+    budget_bytes = parse_budget(budget, total, free)
+    enable_offloaded_checkpointing(model, buffers, prefetch)
+    layers = decoder_layers(model)
+    planner = MemoryPlanner(budget_bytes, device, layer_kinds(model),
+                            [layer._gradient_checkpointing_func for layer in layers], buffers=buffers,
+                            max_tokens=max_tokens, optimizer_bytes_per_param=optimizer_bytes_per_param,
+                            layers=[weakref.ref(layer) for layer in layers],
+                            fixed_cpu=_tensor_bytes(key.parameters()) + _tensor_bytes(key.buffers()))
+    if device.type == "cuda" and torch.cuda.memory_allocated(device) > budget_bytes:
+        raise BudgetError(f"memory_budget {budget_bytes / GiB:.2f} GiB is below what the model already holds "
+                          f"({torch.cuda.memory_allocated(device) / GiB:.2f} GiB)")
+    for i, layer in enumerate(layers):
+        layer._gradient_checkpointing_func = planner.layer_func(i)
+    _PLANNERS[key] = planner
+    return planner
+
+
+def disable_memory_plan(model: nn.Module) -> None:
+    """Switch the plan off: the layers as they were before :func:`enable_memory_plan` (a no-op when it is off)."""
+    from ..models import base_model
+
+    if _PLANNERS.pop(base_model(model), None) is not None:
+        disable_offloaded_checkpointing(model, release_pool=True)
+
+
+def set_plan(model: nn.Module, choices: Sequence[str]) -> Plan:
+    """Fix the per-layer choices by hand on a model whose memory plan is on (no measurement, no re-planning): for a
+    policy of one's own (every k-th layer selective, ...) and for tests. Returns the plan."""
+    planner = memory_planner(model)
+    if planner is None:
+        raise ValueError("set_plan needs a memory plan on the model: apply(model, memory_budget=...) first")
+    choices = tuple(choices)
+    if len(choices) != len(planner.kinds):
+        raise ValueError(f"set_plan: {len(choices)} choices for {len(planner.kinds)} decoder layers")
+    bad = sorted(set(choices) - set(CHOICES))
+    if bad:
+        raise ValueError(f"set_plan: unknown choice {bad[0]!r}; the choices are {', '.join(CHOICES)}")
+    planner.plan = Plan(choices, planner.budget, peak=0, seconds=float("nan"), tokens=2**62, by_hand=True)
+    return planner.plan
+
+
+def memory_planner(model: nn.Module) -> MemoryPlanner | None:
+    """The model's planner, or None."""
+    from ..models import base_model
+
+    return _PLANNERS.get(base_model(model))
+
+
+def _read_state(model: nn.Module) -> dict:
+    planner = memory_planner(model)
+    if planner is None:
+        return {}
+    return {"checkpointing": "plan", "memory_plan": planner.describe()}
+
+
+register_state_reader("memory_plan", _read_state)
+
+__all__ = ["CHOICES", "LayerCost", "Plan", "BudgetError", "MemoryPlanner", "measure_layer", "solve",
+           "selective_checkpoint", "full_checkpoint", "parse_budget", "enable_memory_plan", "disable_memory_plan",
+           "memory_planner", "set_plan", "layer_kinds"]

@@ -1,0 +1,300 @@
+"""The checkpointing plan for a memory budget (fastsft_lab.offload.plan): every per-layer choice and every mix of
+them computes what plain training computes; the solver finds the fastest plan that fits (checked against exhaustive
+search); the measured bytes order the choices; bad budgets get one-line errors."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+import fastsft_lab
+from fastsft_lab.data import benchmark_batches
+from fastsft_lab.models import LoraSettings, build_model, decoder_layers
+from fastsft_lab.offload import plan as P
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+GiB = P.GiB
+
+
+def _batch(tokens=192, row=96, vocab=256, seed=0):
+    return benchmark_batches(tokens_per_step=tokens, row_tokens=row, steps=1, vocab_size=vocab, mix="short",
+                             seed=seed)[0].model_inputs()
+
+
+def _step(model, inputs, seed=0):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = model(**inputs).loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def _assert_bitwise(ref, got):
+    (l0, g0), (l1, g1) = ref, got
+    assert set(g0) == set(g1), "a different set of parameters received gradients"
+    torch.testing.assert_close(l1, l0, rtol=0, atol=0)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+_MODELS: dict = {}
+
+
+def _model(preset, lora=True, dropout=0.0, num_layers=4):
+    key = (preset, lora, dropout, num_layers)
+    if key not in _MODELS:
+        m = build_model(preset, device="cpu", dtype=torch.float32, num_layers=num_layers,
+                        lora=LoraSettings(rank=4, dropout=dropout) if lora else None)
+        m.train()
+        _MODELS[key] = m
+    return _MODELS[key]
+
+
+# -- exactness -------------------------------------------------------------------------------------------------------
+PLANS = {"keep": ("keep",) * 4, "selective": ("selective",) * 4, "checkpoint": ("checkpoint",) * 4,
+         "offload": ("offload",) * 4, "mixed": ("keep", "offload", "selective", "checkpoint"),
+         "mixed-2": ("offload", "selective", "offload", "keep")}
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-gpt-oss"])
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full-ft"])
+def test_every_choice_and_mix_equals_plain_training(preset, lora):
+    model = _model(preset, lora)
+    inputs = _batch()
+    reference = _step(model, inputs)            # no checkpointing: nothing of ours touches it
+    fastsft_lab.apply(model, memory_budget=16)
+    try:
+        for choices in PLANS.values():
+            P.set_plan(model, choices)
+            _assert_bitwise(reference, _step(model, inputs))
+    finally:
+        fastsft_lab.revert(model)
+    _assert_bitwise(reference, _step(model, inputs))
+
+
+def test_plans_compose_with_packed_metadata_sync_free_routing_and_fused_loss():
+    model = _model("tiny-gpt-oss", True)
+    inputs = _batch()
+    fastsft_lab.apply(model, packed_attention="sdpa", moe_routing="sync_free", fused_loss=True)
+    try:
+        reference = _step(model, inputs)
+        fastsft_lab.apply(model, memory_budget=16)
+        for choices in (PLANS["mixed"], PLANS["mixed-2"], PLANS["selective"]):
+            P.set_plan(model, choices)
+            _assert_bitwise(reference, _step(model, inputs))
+    finally:
+        fastsft_lab.revert(model)
+
+
+def test_dropout_is_replayed_in_every_recompute():
+    model = _model("tiny-qwen3", True, dropout=0.3)
+    inputs = _batch()
+    reference = _step(model, inputs, seed=3)
+    fastsft_lab.apply(model, memory_budget=16)
+    try:
+        P.set_plan(model, PLANS["mixed"])
+        _assert_bitwise(reference, _step(model, inputs, seed=3))
+    finally:
+        fastsft_lab.revert(model)
+
+
+def test_the_measuring_step_and_the_solved_plan_equal_plain_training():
+    # step 1 measures each kind of layer inside the step (RNG and output collectors kept out of it), step 2 runs the
+    # solved plan: both steps compute what plain training computes
+    model = _model("tiny-qwen3", True, dropout=0.3)
+    inputs = _batch()
+    reference = _step(model, inputs, seed=5)
+    state = fastsft_lab.apply(model, memory_budget=16)
+    try:
+        assert state.checkpointing == "plan" and "measuring" in state.memory_plan
+        _assert_bitwise(reference, _step(model, inputs, seed=5))
+        planner = P.memory_planner(model)
+        assert set(planner.costs) == {"Qwen3DecoderLayer:full_attention"}
+        _assert_bitwise(reference, _step(model, inputs, seed=5))
+        assert planner.plan is not None and len(planner.plan.choices) == 4
+        # 16 GiB holds everything on a CPU: the fastest plan keeps every layer
+        assert planner.plan.choices == ("keep",) * 4, planner.plan
+        assert "4 keep" in fastsft_lab.state(model).memory_plan
+    finally:
+        fastsft_lab.revert(model)
+    assert fastsft_lab.state(model).checkpointing == "none"
+    assert all(not layer.gradient_checkpointing for layer in decoder_layers(model))
+
+
+# -- what each choice holds -----------------------------------------------------------------------------------------
+def test_measured_bytes_order_the_choices_and_grow_with_tokens():
+    model = _model("tiny-qwen3", False)
+    layer = decoder_layers(model)[0]
+    costs = {}
+    for tokens in (256, 512):
+        x = torch.randn(1, tokens, model.config.hidden_size)
+        pos = torch.arange(tokens)[None]
+        rope = model.model.rotary_emb(x, pos)
+        fn = lambda h, layer=layer, rope=rope, pos=pos: layer(h, position_embeddings=rope, position_ids=pos)
+        costs[tokens] = P.measure_layer(fn, x, [p for p in layer.parameters() if p.requires_grad], repeats=1)
+    c = costs[256]
+    in_bytes = 256 * model.config.hidden_size * 4
+    assert c.held["checkpoint"] == in_bytes and c.held["offload"] == 0
+    # selective keeps the input and the matmul / attention outputs: more than the input, less than everything
+    assert in_bytes < c.held["selective"] < c.held["keep"], c.held
+    # the q/k/v/o, gate/up/down outputs alone are at least this many bytes
+    h, inter = model.config.hidden_size, model.config.intermediate_size
+    assert c.held["selective"] >= in_bytes + 256 * 4 * (2 * h + 3 * inter)
+    for choice in ("keep", "selective", "checkpoint"):
+        assert costs[512].held[choice] >= 2 * c.held[choice] * 0.95, choice
+    assert set(c.seconds) == set(P.CHOICES) and all(s > 0 for s in c.seconds.values())
+
+
+# -- the solver ------------------------------------------------------------------------------------------------------
+def _cost(keep, sel, ckpt, seconds=(1.0, 1.2, 1.5, 1.6), tokens=1000):
+    return P.LayerCost("layer", tokens, dict(zip(P.CHOICES, seconds)),
+                       {"keep": keep, "selective": sel, "checkpoint": ckpt, "offload": 0})
+
+
+def _exhaustive(costs, budget, base, staging):
+    best = None
+    for cs in itertools.product(P.CHOICES, repeat=len(costs)):
+        peak = base + sum(c.held[x] for c, x in zip(costs, cs)) - (0 if "offload" in cs else staging)
+        if peak <= budget:
+            t = sum(c.seconds[x] for c, x in zip(costs, cs))
+            if best is None or t < best[0]:
+                best = (t, cs)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_solver_equals_exhaustive_search(seed):
+    rng = random.Random(seed)
+    n = rng.randint(3, 7)
+    costs = []
+    for _ in range(n):
+        ckpt = rng.randint(50, 100)
+        sel = ckpt + rng.randint(50, 400)
+        keep = sel + rng.randint(0, 600)
+        t = sorted(rng.uniform(1, 3) for _ in range(4))
+        costs.append(_cost(keep, sel, ckpt, t))
+    base, staging = 1000, 2 * 100
+    budget = base + rng.randint(0, sum(c.held["keep"] for c in costs))
+    plan = P.solve(costs, budget, base, staging=staging)
+    best = _exhaustive(costs, budget, base, staging)
+    assert plan.peak <= budget
+    assert plan.seconds == pytest.approx(best[0], rel=1e-12), (plan, best)
+    assert plan.seconds == pytest.approx(sum(c.seconds[x] for c, x in zip(costs, plan.choices)))
+
+
+def test_solver_uses_the_whole_budget_to_the_byte():
+    # exactly enough bytes for every layer to keep: the plan keeps every layer (a check off by one unit would not)
+    costs = [_cost(4096, 1024, 512) for _ in range(8)]
+    base, staging = 10_000, 1024
+    full = base + 8 * 4096 - staging
+    assert P.solve(costs, full, base, staging=staging).choices == ("keep",) * 8
+    one_short = P.solve(costs, full - 1, base, staging=staging)
+    assert one_short.choices.count("keep") == 7 and one_short.peak <= full - 1
+
+
+def test_solver_charges_the_last_layer_too():
+    # a budget for seven kept layers and an eighth checkpointed: the last layer's bytes count like the others'
+    costs = [_cost(4096, 4000, 512) for _ in range(8)]
+    plan = P.solve(costs, 10_000 + 7 * 4096 + 512, 10_000, staging=0)
+    assert plan.choices.count("keep") == 7 and "checkpoint" in plan.choices, plan
+    assert plan.peak == 10_000 + 7 * 4096 + 512
+
+
+def test_solver_drops_the_staging_buffers_when_nothing_offloads():
+    costs = [_cost(4096, 1024, 512) for _ in range(2)]
+    # every layer kept fits only because a plan without offloaded layers needs no staging buffers
+    plan = P.solve(costs, 10_000 + 2 * 4096 - 2048, 10_000, staging=2048)
+    assert plan.choices == ("keep", "keep") and plan.peak == 10_000 + 2 * 4096 - 2048
+
+
+def test_a_budget_below_the_smallest_plan_names_the_smallest_that_works():
+    with pytest.raises(P.BudgetError, match=r"give at least 1\.00 GiB"):
+        P.solve([_cost(10, 5, 2)], GiB // 2, GiB)
+
+
+def test_cost_scales_with_tokens():
+    c = _cost(4096, 1024, 512).at(2000)
+    assert c.tokens == 2000 and c.held["keep"] == 8192 and c.seconds["keep"] == pytest.approx(2.0)
+
+
+# -- the switch ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad, match", [(-1, "positive"), (0, "positive"), ("lots", "a size in GiB"),
+                                        ("150%", "between 0% and 100%"), (float("nan"), "a size in GiB"),
+                                        (True, "a size in GiB"), (10**9, "above the device's memory")])
+def test_bad_budgets_are_refused_in_one_line_and_change_nothing(bad, match):
+    model = _model("tiny-qwen3")
+    with pytest.raises(ValueError, match=match) as err:
+        fastsft_lab.apply(model, memory_budget=bad)
+    assert "\n" not in str(err.value)
+    assert fastsft_lab.state(model).checkpointing == "none"
+
+
+def test_a_share_of_free_memory_needs_a_device_that_reports_it():
+    with pytest.raises(ValueError, match="does not report its free memory"):
+        fastsft_lab.apply(_model("tiny-qwen3"), memory_budget="90%")
+
+
+def test_budget_and_hand_set_checkpointing_say_which_wins():
+    model = _model("tiny-qwen3")
+    with pytest.raises(ValueError, match="offload_buffers=0 .* contradicts it"):
+        fastsft_lab.apply(model, memory_budget=16, offload_buffers=0)
+    with pytest.raises(ValueError, match="max_tokens needs memory_budget"):
+        fastsft_lab.apply(model, max_tokens=4096)
+    with pytest.raises(ValueError, match="max_tokens must be a positive int"):
+        fastsft_lab.apply(model, memory_budget=16, max_tokens=0)
+    try:
+        state = fastsft_lab.apply(model, memory_budget=16, offload_buffers=1, max_tokens=4096)
+        assert state.checkpointing == "plan" and P.memory_planner(model).buffers == 1
+        assert P.memory_planner(model).max_tokens == 4096
+        with pytest.warns(UserWarning, match="replaces the memory plan"):
+            state = fastsft_lab.apply(model, offload_buffers=2)
+        assert state.checkpointing == "offload" and state.memory_plan is None
+    finally:
+        fastsft_lab.revert(model)
+    assert fastsft_lab.state(model) == fastsft_lab.ModelState()
+
+
+def test_set_plan_checks_its_choices():
+    model = _model("tiny-qwen3")
+    with pytest.raises(ValueError, match="needs a memory plan"):
+        P.set_plan(model, ["keep"] * 4)
+    fastsft_lab.apply(model, memory_budget=16)
+    try:
+        with pytest.raises(ValueError, match="3 choices for 4 decoder layers"):
+            P.set_plan(model, ["keep"] * 3)
+        with pytest.raises(ValueError, match="unknown choice 'recompute'; the choices are keep, selective"):
+            P.set_plan(model, ["keep", "keep", "keep", "recompute"])
+    finally:
+        fastsft_lab.revert(model)
+
+
+def test_a_larger_batch_replans_for_its_tokens():
+    model = _model("tiny-qwen3")
+    fastsft_lab.apply(model, memory_budget=16)
+    try:
+        _step(model, _batch(tokens=128, row=64))
+        _step(model, _batch(tokens=128, row=64))
+        planner = P.memory_planner(model)
+        assert planner.plan.tokens == 128
+        _step(model, _batch(tokens=256, row=64))
+        assert planner.plan.tokens == 256
+        _step(model, _batch(tokens=128, row=64))
+        assert planner.plan.tokens == 256               # a smaller batch keeps the plan
+    finally:
+        fastsft_lab.revert(model)
+
+
+def test_solver_is_fast_at_full_depth():
+    # 40 layers of one kind and 24 of two alternating kinds: the front stays small (the plan is solved inside a step)
+    import time
+
+    for costs in ([_cost(4096, 1500, 512)] * 40,
+                  [_cost(4096, 1500, 512), _cost(3000, 1400, 512, (0.8, 1.0, 1.3, 1.35))] * 12):
+        t0 = time.perf_counter()
+        plan = P.solve(costs, 10_000 + sum(c.held["keep"] for c in costs) // 2, 10_000, staging=1024)
+        assert time.perf_counter() - t0 < 2.0 and len(plan.choices) == len(costs)
