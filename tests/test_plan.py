@@ -298,3 +298,22 @@ def test_solver_is_fast_at_full_depth():
         t0 = time.perf_counter()
         plan = P.solve(costs, 10_000 + sum(c.held["keep"] for c in costs) // 2, 10_000, staging=1024)
         assert time.perf_counter() - t0 < 2.0 and len(plan.choices) == len(costs)
+
+
+# -- the frontier benchmark ------------------------------------------------------------------------------------------
+def test_budget_scenario_runs_the_frontier_from_the_smallest_plan_to_keeping_everything(tmp_path):
+    from fastsft_lab.lab.scenarios import run_scenario
+    from fastsft_lab.lab.scenarios.budget import budgets_between
+
+    (result,) = run_scenario("budget", device="cpu", smoke=True, out_dir=str(tmp_path), steps=1, warmup=0,
+                             progress=False)
+    rows = result["variants"]
+    plans = [r for r in rows if "plan" in r["toggles"]]
+    assert plans[0]["toggles"]["plan"] == ["offload"] * 4 and plans[-1]["toggles"]["plan"] == ["keep"] * 4
+    predicted = [r["toggles"]["predicted_peak_bytes"] for r in plans]
+    assert predicted == sorted(predicted) and len(set(predicted)) == len(predicted)
+    assert all(r["toggles"]["predicted_peak_bytes"] <= r["toggles"]["memory_budget_bytes"] for r in plans)
+    assert all("step_ms" in r for r in rows), [r.get("error") for r in rows]
+    assert [r["name"] for r in rows[-2:]] == ["offload x2 + prefetch everywhere (README recipe)", "no checkpointing"]
+    assert (tmp_path / "budget-tiny-qwen3-512.json").exists()
+    assert budgets_between(10, 20, 3) == [10, 15, 20] and budgets_between(10, 10, 5) == [10]

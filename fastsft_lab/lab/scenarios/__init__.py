@@ -1,6 +1,7 @@
 """The benchmark scenarios, one file each (``python -m fastsft_lab bench --only NAME``)."""
 
 from .breakdown import BreakdownScenario
+from .budget import BudgetScenario
 from .combined import CombinedScenario
 from .distributed import DistributedScenario
 from .moe import MoeScenario
@@ -12,8 +13,10 @@ SCENARIOS = {s.name: s for s in (PackedScenario(), OffloadScenario(), MoeScenari
 SCENARIOS[BreakdownScenario.name] = BreakdownScenario()      # after combined, whose models and variant it reuses
 SCENARIOS[OffloadLinkScenario.name] = OffloadLinkScenario()  # after offload, whose variants it reuses
 SCENARIOS[DistributedScenario.name] = DistributedScenario()
+SCENARIOS[BudgetScenario.name] = BudgetScenario()
 
-__all__ = ["SCENARIOS", "PackedScenario", "OffloadScenario", "MoeScenario", "CombinedScenario", "DistributedScenario"]
+__all__ = ["SCENARIOS", "PackedScenario", "OffloadScenario", "MoeScenario", "CombinedScenario", "DistributedScenario",
+           "BudgetScenario"]
 
 
 def run_scenario(name: str, *, device, smoke: bool, out_dir: str, steps: int | None = None,

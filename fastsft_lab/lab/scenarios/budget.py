@@ -1,0 +1,198 @@
+"""Scenario ``budget``: the memory plan's frontier -- step time and peak memory from the smallest plan (every layer
+offloaded) to keeping every activation, against the README recipe (offload x2 + prefetch everywhere) and no
+checkpointing, on the same batches.
+
+The plan's costs are measured once per token count (``apply(memory_budget=...)``'s own step 1 and 2: each kind of
+layer under each choice, and the peak of a step with every layer offloaded); each budget's plan is then solved from
+those costs (:func:`fastsft_lab.offload.plan.solve`, what ``apply`` solves) and run as a fixed plan, interleaved with
+the references. Every row has the plan's *predicted* peak beside the measured one (CUDA), so the cost model is
+checked where it is used.
+
+GPU default: Qwen3-14B, all 40 layers, NF4 + LoRA r16, the README recipe's floor (cached varlen, fused loss, fused
+LoRA, autocast bf16), 8192 and 16384 tokens, 5 budgets. Smoke (CPU): tiny-qwen3, seconds; a CPU has no peak
+counter, so its rows show the plans and times but no measured memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from ... import toggles
+from ...data import benchmark_batches
+from ...models import LoraSettings, build_model
+from ...offload import plan as P
+from ..harness import Variant, format_derived, format_table, make_result, run_variants, with_autocast, write_json
+from ..scenario import OptionError, Scenario, option
+
+
+@dataclasses.dataclass
+class BudgetOptions:
+    preset: str = option("qwen3-14b", kind="str", help="model preset")
+    num_layers: int | None = option(None, kind="int?", help="decoder layers (none: all)")
+    quant: str | None = option("nf4", kind="str?", help="nf4 (QLoRA) or none")
+    lora_rank: int = option(16, kind="int", help="LoRA rank")
+    packed: str = option("varlen", kind="str", help="packed-attention backend of the floor")
+    autocast: str = option("bf16", kind="str", help="autocast of every step: none, bf16 or fp16")
+    dtype: str = option("bfloat16", kind="str", help="parameter dtype")
+    tokens: list = option([8192, 16384], kind="ints", help="tokens per step (one frontier each)")
+    row_tokens: int = option(8192, kind="int", help="tokens per packed row")
+    points: int = option(5, kind="int", help="budgets per frontier, from the smallest plan to keeping everything")
+    budgets: list = option([], kind="strs", help="budgets in GiB instead of the even spread (e.g. 40,60,80)")
+    steps: int = option(5, kind="int", help="measured steps per variant")
+    warmup: int = option(2, kind="int", help="warm-up steps per variant")
+
+    @classmethod
+    def defaults(cls, device: torch.device, smoke: bool) -> "BudgetOptions":
+        if smoke:
+            return cls(preset="tiny-qwen3", num_layers=4, quant=None, lora_rank=8, packed="sdpa",
+                       autocast="none", dtype="float32" if device.type == "cpu" else "bfloat16", tokens=[512],
+                       row_tokens=256, points=4, steps=3, warmup=1)
+        return cls()
+
+
+def _gib(b: float) -> float:
+    return b / P.GiB
+
+
+def size(b: float) -> str:
+    """Bytes in human units: ``"12.5 GiB"``, ``"340 MiB"``."""
+    return f"{b / P.GiB:.2f} GiB" if b >= P.GiB else f"{b / 2**20:.0f} MiB"
+
+
+def budgets_between(lo: int, hi: int, points: int) -> list[int]:
+    """``points`` budgets from ``lo`` to ``hi`` bytes, evenly spread (one when they meet)."""
+    if points < 2 or hi <= lo:
+        return [lo]
+    return [lo + (hi - lo) * i // (points - 1) for i in range(points)]
+
+
+def _calibrate(model, batch, autocast) -> P.MemoryPlanner:
+    """apply(memory_budget=...)'s own measurement: step 1 measures, step 2 solves (no optimizer step)."""
+    device = batch.input_ids.device
+    total, _ = P.device_memory(device)
+    toggles.apply(model, memory_budget=_gib(total) if total else 1024)
+    (variant,) = with_autocast([Variant("calibration")], autocast)
+    for _ in range(2):
+        with variant.context(model) if variant.context else torch.enable_grad():
+            model(**batch.model_inputs()).loss.backward()
+        model.zero_grad(set_to_none=True)
+    planner = P.memory_planner(model)
+    assert planner is not None and planner.plan is not None
+    return planner
+
+
+def _plan_variant(plan: P.Plan, costs: dict) -> Variant:
+    def enable(model):
+        toggles.apply(model, memory_budget=_gib(plan.budget))
+        P.memory_planner(model).costs.update(costs)       # the measured costs: no measurement inside a timed step
+        P.set_plan(model, plan.choices)
+
+    def disable(model):
+        toggles.apply(model, memory_budget="off")
+
+    counts = ", ".join(f"{n} {c}" for c, n in plan.counts().items())
+    return Variant(f"{size(plan.budget)}: {counts}", enable=enable, disable=disable,
+                   toggles={"memory_budget_bytes": plan.budget, "plan": list(plan.choices),
+                            "predicted_peak_bytes": plan.peak},
+                   note="the plan apply(memory_budget=...) solves for this budget, run as a fixed plan")
+
+
+def _references() -> list[Variant]:
+    return [Variant("offload x2 + prefetch everywhere (README recipe)",
+                    enable=lambda m: toggles.apply(m, offload_buffers=2, prefetch=True),
+                    disable=lambda m: toggles.apply(m, offload_buffers="off"),
+                    toggles={"offload_buffers": 2, "prefetch": True}),
+            Variant("no checkpointing", toggles={"checkpointing": "none"},
+                    note="every activation kept: the fastest step, where it fits")]
+
+
+def derived(rows: list[dict]) -> dict:
+    """Each plan's step against the README recipe's, and its measured peak against its predicted one (CUDA)."""
+    recipe = next((r for r in rows if r["name"].startswith("offload x2") and "step_ms" in r), None)
+    out: dict = {}
+    for r in rows:
+        if "memory_budget_bytes" not in r.get("toggles", {}) or "step_ms" not in r:
+            continue
+        key = size(r["toggles"]["memory_budget_bytes"]).replace(" ", "")
+        if recipe is not None:
+            out[f"speedup_vs_recipe_{key}"] = recipe["step_ms"]["median"] / r["step_ms"]["median"]
+        if r.get("peak_mem_bytes"):
+            out[f"peak_over_predicted_{key}"] = r["peak_mem_bytes"] / r["toggles"]["predicted_peak_bytes"]
+    return out
+
+
+class BudgetScenario(Scenario):
+    name = "budget"
+    title = "the memory plan's frontier: step time and peak memory per budget, against the recipe and no checkpointing"
+    Options = BudgetOptions
+
+    def validate(self, opts, device: torch.device) -> None:
+        super().validate(opts, device)
+        if opts.points < 1:
+            raise OptionError(f"points must be >= 1, got {opts.points}")
+        for b in opts.budgets:
+            try:
+                if float(b) <= 0:
+                    raise ValueError
+            except ValueError:
+                raise OptionError(f"budgets: {b!r} is not a positive number of GiB") from None
+        if any(t < 16 for t in opts.tokens):
+            raise OptionError(f"tokens must be >= 16 each, got {opts.tokens}")
+
+    def run(self, opts, *, device: torch.device, out_dir: str, progress: bool = True) -> list[dict]:
+        dtype = getattr(torch, opts.dtype)
+        model = build_model(opts.preset, device=device, dtype=dtype, quant=opts.quant,
+                            lora=LoraSettings(rank=opts.lora_rank) if opts.lora_rank else None,
+                            num_layers=opts.num_layers)
+        floor = {"packed_attention": opts.packed, "fused_loss": True}
+        if opts.lora_rank:
+            floor["fused_lora"] = device.type == "cuda"     # the fused LoRA GEMM is a CUDA kernel's floor
+        toggles.apply(model, **floor)
+        results = []
+        for tokens in opts.tokens:
+            batches = [b.to(device) for b in benchmark_batches(tokens_per_step=tokens, row_tokens=opts.row_tokens,
+                                                               steps=2, vocab_size=model.config.vocab_size)]
+            planner = _calibrate(model, batches[0], opts.autocast)
+            costs, base, staging = dict(planner.costs), planner.base(tokens), planner.staging
+            full = [planner.costs[k].at(tokens) for k in planner.kinds]
+            keep_all = base + sum(c.held["keep"] for c in full) - staging
+            toggles.apply(model, memory_budget="off")
+            budgets = ([int(float(b) * P.GiB) for b in opts.budgets] if opts.budgets
+                       else budgets_between(base, keep_all, opts.points))
+            plans, seen = [], set()
+            for b in budgets:
+                try:
+                    plan = P.solve(full, b, base, staging=staging)
+                except P.BudgetError as e:
+                    print(f"  {tokens} tokens: {e}")
+                    continue
+                if plan.choices not in seen:
+                    seen.add(plan.choices)
+                    plans.append(plan)
+            variants = with_autocast([*(_plan_variant(p, costs) for p in plans), *_references()], opts.autocast)
+            rows = run_variants(model, batches, variants, steps=opts.steps, warmup=opts.warmup,
+                                progress=progress, label=f"budget {tokens}")
+            config = {"model": opts.preset, "num_layers": opts.num_layers or model.config.num_hidden_layers,
+                      "quant": opts.quant, "lora_rank": opts.lora_rank, "floor": floor, "autocast": opts.autocast,
+                      "tokens_per_step": tokens, "row_tokens": opts.row_tokens, "steps": opts.steps,
+                      "warmup": opts.warmup, "predicted_smallest_peak_bytes": base,
+                      "predicted_keep_all_peak_bytes": keep_all,
+                      "layer_costs": {k: {"tokens": c.tokens, "seconds": c.seconds, "held_bytes": c.held}
+                                      for k, c in costs.items()}}
+            result = make_result("budget", config, rows, device,
+                                 "plans solved from costs measured on this model and batch; predicted peaks beside "
+                                 "the measured ones (CUDA max_memory_allocated)")
+            result["derived"] = derived(rows)
+            write_json(result, os.path.join(out_dir, f"budget-{opts.preset}-{tokens}.json"))
+            print(format_table(result))
+            if result["derived"]:
+                print("  " + format_derived(result["derived"]))
+            results.append(result)
+        toggles.revert(model)
+        return results
+
+
+__all__ = ["BudgetScenario", "BudgetOptions", "budgets_between", "derived", "size"]
