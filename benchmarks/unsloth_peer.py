@@ -422,7 +422,12 @@ def _environment(torch=None) -> dict:
     return env
 
 
-def _variant_name(double_buffer: str) -> str:
+CHECKPOINTING = {"unsloth": "unsloth", "off": False}   # --checkpointing -> use_gradient_checkpointing
+
+
+def _variant_name(double_buffer: str, checkpointing: str = "unsloth") -> str:
+    if checkpointing == "off":
+        return "unsloth (checkpointing off)"
     return f"unsloth (double buffer {double_buffer})"
 
 
@@ -461,13 +466,16 @@ SINK_ENTRY_POINTS = ("flex_attention", "reused_compiled_create_block_mask", "com
 PROBE_SAME, PROBE_CHANGED = 1e-3, 1e-2  # relative L2 change: <= SAME is unchanged, > CHANGED is changed
 
 
-def variant_toggles(family: str, double_buffer: str, lengths_device: str, layout: str | None = None) -> dict:
+def variant_toggles(family: str, double_buffer: str, lengths_device: str, layout: str | None = None,
+                    checkpointing: str = "unsloth") -> dict:
     layout = default_layout(family) if layout is None else layout
+    if checkpointing == "off":
+        double_buffer = "n/a"        # nothing is offloaded without checkpointing
     if family == "gpt_oss":
-        return {"double_buffer": double_buffer, "gradient_checkpointing": "unsloth", "packed_seq_lengths": None,
+        return {"double_buffer": double_buffer, "gradient_checkpointing": checkpointing, "packed_seq_lengths": None,
                 "load_in_4bit": False, "load_in_16bit": True, "layout": layout}
-    return {"double_buffer": double_buffer, "gradient_checkpointing": "unsloth", "packed_seq_lengths": lengths_device,
-            "load_in_4bit": True, "layout": layout}
+    return {"double_buffer": double_buffer, "gradient_checkpointing": checkpointing,
+            "packed_seq_lengths": lengths_device, "load_in_4bit": True, "layout": layout}
 
 
 GPT_OSS_PADDED_REASON = (
@@ -915,8 +923,11 @@ def _sync_warnings(fn, torch) -> tuple[int, dict]:
 
 def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps: int | None = None,
         lengths_device: str = "cpu", allow_cpu: bool = False, ctx: dict | None = None, layout: str | None = None,
-        pad_multiple: int | None = None) -> dict:
+        pad_multiple: int | None = None, checkpointing: str = "unsloth") -> dict:
     """Measure Unsloth on an export folder and write ``out``; ``ctx`` collects what is known if it fails.
+
+    ``checkpointing``: "unsloth" (``use_gradient_checkpointing="unsloth"``, its offloaded checkpointing) or "off"
+    (``False``: every activation kept, the peer of our plan's largest budgets).
 
     ``layout``: "packed" (the export's rows; Qwen3 with packed_seq_lengths) or "padded" (GPT-OSS only: one
     right-padded row per sequence, ``pad_multiple`` default 128); None: the family's default."""
@@ -935,8 +946,11 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
     tokens = rows * row_tokens
     if row_tokens != meta["row_tokens"]:
         raise ValueError(f"batches.json rows hold {row_tokens} tokens, meta.json says {meta['row_tokens']}")
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(f"checkpointing must be one of {', '.join(CHECKPOINTING)}, got {checkpointing!r}")
+    ugc = CHECKPOINTING[checkpointing]
     ctx["toggles"] = variant_toggles(family, double_buffer, lengths_device,
-                                     layout if layout in LAYOUTS else None)
+                                     layout if layout in LAYOUTS else None, checkpointing)
     layout = check_layout(family, layout)
     padded = layout == "padded"
     if pad_multiple is not None and not padded:
@@ -1004,12 +1018,12 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
     if gpt_oss:  # model_type gpt_oss -> FastModel.from_pretrained (loader.py); exact name: no hub-name mapping
         model, _tok = FastLanguageModel.from_pretrained(
             model_name=os.path.abspath(folder), max_seq_length=max_seq, dtype=torch.bfloat16, load_in_4bit=False,
-            load_in_16bit=True, local_files_only=True, fix_tokenizer=False, use_gradient_checkpointing="unsloth",
+            load_in_16bit=True, local_files_only=True, fix_tokenizer=False, use_gradient_checkpointing=ugc,
             use_exact_model_name=True)
     else:
         model, _tok = FastLanguageModel.from_pretrained(
             model_name=os.path.abspath(folder), max_seq_length=tokens, dtype=torch.bfloat16, load_in_4bit=True,
-            local_files_only=True, fix_tokenizer=False, use_gradient_checkpointing="unsloth")
+            local_files_only=True, fix_tokenizer=False, use_gradient_checkpointing=ugc)
     timings["load_s"] = round(time.time() - t, 1)
     quantized = [n for n, m in model.named_modules() if type(m).__name__ == "Linear4bit"]
     n4 = sum(1 for n in quantized if n.rsplit(".", 1)[-1] in LORA_TARGETS)
@@ -1032,7 +1046,7 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
     model = FastLanguageModel.get_peft_model(
         model, r=int(meta["lora_rank"]), target_modules=list(meta["targets"]),
         lora_alpha=config["lora_alpha"], lora_dropout=config["lora_dropout"], bias="none",
-        use_gradient_checkpointing="unsloth", random_state=3407, max_seq_length=max_seq)
+        use_gradient_checkpointing=ugc, random_state=3407, max_seq_length=max_seq)
     timings["peft_s"] = round(time.time() - t, 1)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not trainable:
@@ -1229,7 +1243,7 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
         config["causal_measured"] = probe.get("causal")
         _log(f"isolation probe: segments_isolated={probe.get('segments_isolated')}, causal={probe.get('causal')}")
 
-    variant = {"name": _variant_name(double_buffer), "toggles": ctx["toggles"],
+    variant = {"name": _variant_name(double_buffer, checkpointing), "toggles": ctx["toggles"],
                "note": _note(family, double_buffer, lengths_device, layout)}
     for k in ("forward", "backward", "optimizer", "step"):
         variant[f"{k}_ms"] = percentiles(samples[k])
@@ -1289,9 +1303,11 @@ def run(folder: str, out: str, double_buffer: str = "on", warmup: int = 2, steps
                    "gc_prefetch": bool(getattr(gcmod, "GC_PREFETCH", False)),
                    "last_gc_index": getattr(gcmod, "LAST_GC_INDEX", None)}
         variant.update(offload)
-        if not offload["offload_observed"]:
+        if offload["offload_observed"] and checkpointing == "off":
+            problems.append("Unsloth offloaded a layer input with use_gradient_checkpointing=False")
+        if not offload["offload_observed"] and checkpointing == "unsloth":
             problems.append("Unsloth's offloaded checkpointing never offloaded a layer input")
-        if any(state != (double_buffer == "on") for state in db_measured):
+        if checkpointing == "unsloth" and any(state != (double_buffer == "on") for state in db_measured):
             problems.append(f"double buffer asked {double_buffer} but Unsloth's was {db_measured} over the measured "
                             "steps (it turns on from the second forward if > 512 MiB are free; off on OOM)")
     if padded:
@@ -1422,7 +1438,7 @@ def _cli_run(args) -> int:
     try:
         result = run(args.dir, args.out, double_buffer=args.double_buffer, warmup=args.warmup, steps=args.steps,
                      lengths_device=args.seq_lengths_device, allow_cpu=args.allow_cpu, ctx=ctx, layout=args.layout,
-                     pad_multiple=args.pad_to_multiple_of)
+                     pad_multiple=args.pad_to_multiple_of, checkpointing=args.checkpointing)
     except BaseException as e:  # noqa: BLE001 - every failure becomes an error result
         _SIGNALLED[0] = True  # from here on a late signal must not interrupt writing the error result
         interrupted = isinstance(e, (KeyboardInterrupt, Interrupted))
@@ -1512,6 +1528,8 @@ def main(argv=None) -> int:
     rn.add_argument("--dir", required=True)
     rn.add_argument("--out", required=True)
     rn.add_argument("--double-buffer", choices=("on", "off"), default="on")
+    rn.add_argument("--checkpointing", choices=tuple(CHECKPOINTING), default="unsloth",
+                    help="unsloth: use_gradient_checkpointing='unsloth' (offloaded); off: False (every activation kept)")
     rn.add_argument("--warmup", type=int, default=2)
     rn.add_argument("--steps", type=int, default=None, help="measured steps (default: one per exported batch)")
     rn.add_argument("--seq-lengths-device", choices=("cpu", "cuda"), default="cpu",

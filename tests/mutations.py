@@ -42,6 +42,7 @@ P = "fastsft_lab/packing/"
 O = "fastsft_lab/offload/"
 M = "fastsft_lab/moe/"
 TP, TO, TM = "tests/test_packed.py", "tests/test_offload.py", "tests/test_moe.py"
+TPL = "tests/test_plan.py"
 
 MUTATIONS = [
     # --- packed metadata and attention
@@ -142,6 +143,12 @@ MUTATIONS = [
     Mutation("gate-up-unclamped-below", M + "gate.py",
              "up = gate_up[..., 1::2].clamp(min=-limit, max=limit)", "up = gate_up[..., 1::2].clamp(max=limit)",
              (TM,)),
+    Mutation("dense-routing-weights-not-gathered", M + "modules.py",
+             "        return routing_weights.gather(1, top_k_index)\n", "        return routing_weights\n",
+             (TM, "-k", "dense")),
+    Mutation("record-window-of-every-layer-dropped", "fastsft_lab/families.py",
+             "return [window if self.attention.windows == \"every_layer\" else None] * layers",
+             "return [None] * layers", ("tests/test_families.py", "-k", "live_model")),
     Mutation("nf4-scale-off", M + "nf4.py",
              "return QuantState(absmax=absmax, shape=", "return QuantState(absmax=absmax * 1.01, shape=",
              (TM, "-k", "nf4")),
@@ -201,6 +208,22 @@ MUTATIONS = [
     Mutation("moe-bias-one-hot-off-by-one", M + "experts.py",
              "one_hot = (sorted_ids.unsqueeze(1) == experts).to(gate_up.dtype)",
              "one_hot = (sorted_ids.unsqueeze(1) == (experts + 1) % num_experts).to(gate_up.dtype)", (TM,)),
+    # --- the checkpointing plan for a memory budget
+    Mutation("plan-saves-outputs-changed-in-place", O + "plan.py",
+             "unsaved = frozenset(op for _, op, t, version in records if t._version != version)",
+             "unsaved = frozenset()", (TPL, "-k", "every_choice or compose")),
+    Mutation("plan-keep-layer-recomputed", O + "plan.py",
+             '        if choice == "keep":\n            return function(*args)',
+             '        if choice == "keep":\n            return full_checkpoint(function, *args)', (TPL, "-k", "names")),
+    Mutation("plan-budget-check-off-by-one", O + "plan.py",
+             "for b, t, cs in front for w, s, c in options if b + w <= slack)",
+             "for b, t, cs in front for w, s, c in options if b + w < slack)", (TPL, "-k", "solver")),
+    Mutation("plan-last-layer-uncharged", O + "plan.py",
+             "options = [(cost.held[c], cost.seconds[c], c) for c in allowed]",
+             "options = [(cost.held[c] if cost is not costs[-1] else 0, cost.seconds[c], c) for c in allowed]",
+             (TPL, "-k", "solver")),
+    Mutation("plan-never-replans", O + "plan.py",
+             "if self.plan is None or target > self.plan.tokens:", "if self.plan is None:", (TPL, "-k", "replans")),
 ]
 
 
