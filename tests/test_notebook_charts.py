@@ -122,3 +122,17 @@ def test_removing_an_image_output_is_caught(path):
 ])
 def test_the_rule(source, expected):
     assert draws_chart(source) is expected
+
+
+def test_expert_grouping_draws_every_sorted_row_and_marks_an_empty_expert():
+    import matplotlib
+    matplotlib.use("Agg")
+    ids = [[0, 3], [1, 0], [3, 1]]
+    fig = plots.plot_expert_grouping(ids, [0, 0, 1, 1, 3, 3], [0, 3, 2, 5, 1, 4], [2, 4, 4, 6])
+    left, right = fig.axes
+    assert len(left.patches) == 6 and len(right.patches) == 6            # one box per (token, slot), per sorted row
+    texts = [t.get_text() for t in right.texts]
+    assert [t for t in texts if t.startswith("t")] == ["t0", "t1", "t1", "t2", "t0", "t2"]   # perm // top_k
+    assert "offs[2]=4 (E2 empty)" in texts and "offs[1]=4" in texts
+    assert "E2" in right.get_xlabel()
+    matplotlib.pyplot.close(fig)

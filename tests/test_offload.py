@@ -1226,3 +1226,12 @@ def test_the_pool_refuses_in_one_line_before_host_memory_runs_out(monkeypatch):
     assert p.num_slots == 1                                    # nothing allocated by the refused request
     monkeypatch.setattr(P, "host_memory_available", lambda: None)   # unknown (not Linux): no check
     assert P.local_ranks() == 4 and p.acquire(2**20) == 1
+
+
+def test_per_layer_means_average_each_kind_and_leave_out_kinds_without_events():
+    from fastsft_lab.lab.timelines import per_layer_means
+
+    ev = [{"kind": "fwd", "start_ms": 0.0, "end_ms": 2.0}, {"kind": "fwd", "start_ms": 2.0, "end_ms": 6.0},
+          {"kind": "h2d", "start_ms": 6.0, "end_ms": 6.5}, {"kind": "bwd", "start_ms": 7.0, "end_ms": 10.0}]
+    assert per_layer_means(ev) == {"fwd": 3.0, "bwd": 3.0, "h2d": 0.5}          # no d2h event: no d2h mean
+    assert per_layer_means(ev, kinds=("h2d",)) == {"h2d": 0.5}

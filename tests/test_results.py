@@ -113,3 +113,40 @@ def test_breakdowns_are_the_newest_per_configuration_across_runs(tmp_path):
         (tmp_path / rel).write_text(json.dumps(doc))
     got = [(d["config"]["num_layers"], results.run_of(d)) for d in results.breakdown_results(root=tmp_path)]
     assert got == [(8, "b"), (40, "a")]
+
+
+def test_newest_peak_gib_of_one_variant_and_a_missing_peak_is_none(tmp_path):
+    run = tmp_path / "h200-2099-01-01"
+    run.mkdir()
+    doc = {"scenario": "offload", "env": {"device": "cuda", "date": "2099-01-01"}, "config": {"model": "m", "num_layers": 2},
+           "variants": [{"name": "a", "peak_mem_bytes": 2 * 2**30}, {"name": "b", "peak_mem_bytes": 3 * 2**30},
+                        {"name": "c"}]}
+    (run / "x.json").write_text(json.dumps(doc))
+    assert results.newest_peak_gib("offload", root=tmp_path, model="m")[0] == 3.0                  # largest variant
+    assert results.newest_peak_gib("offload", root=tmp_path, variant="a", model="m")[0] == 2.0
+    peak, found = results.newest_peak_gib("offload", root=tmp_path, variant="c", model="m")
+    assert peak is None and found["config"]["model"] == "m"                                     # missing, not 0
+    assert results.newest_peak_gib("offload", root=tmp_path, model="other") == (None, None)
+
+
+def _packed(run, date, backend, names, tokens=8192, model="qwen3-14b"):
+    return {"scenario": "packed_metadata", "env": {"device": "cuda", "date": date},
+            "config": {"model": model, "num_layers": 8, "mix": "realistic", "backend": backend, "tokens_per_step": tokens},
+            "variants": [{"name": n, "step_ms": {"median": 1.0}} if ok else {"name": n, "error": "boom"}
+                         for n, ok in names]}
+
+
+def test_packed_configs_keep_the_newest_word_and_the_headline_keeps_one_session(tmp_path):
+    docs = {"old/a.json": _packed("old", "2099-01-01", "sdpa", [("sdpa naive", True), ("sdpa cached", True)]),
+            "old/b.json": _packed("old", "2099-01-01", "flex", [("flex naive", True), ("flex cached", True)]),
+            "new/a.json": _packed("new", "2099-01-02", "flex", [("flex naive", False), ("flex cached", True)]),
+            "new/c.json": _packed("new", "2099-01-02", "sdpa", [("sdpa cached", True), ("sdpa cached (collated)", True)])}
+    for path, doc in docs.items():
+        (tmp_path / path).parent.mkdir(exist_ok=True)
+        (tmp_path / path).write_text(json.dumps(doc))
+    naive = results.packed_configs(root=tmp_path)
+    assert [(results.run_of(d), d["config"]["backend"]) for d in naive] == [("new", "flex"), ("old", "sdpa")]
+    assert [results.run_of(d) for d in results.packed_configs(root=tmp_path, collated=True)] == ["new"]
+    head = results.packed_headline(backends=("sdpa", "flex"), root=tmp_path)    # only "old" ran naive on both
+    assert [(results.run_of(d), d["config"]["backend"]) for d in head] == [("old", "sdpa"), ("old", "flex")]
+    assert results.packed_headline(model="other", root=tmp_path) == []

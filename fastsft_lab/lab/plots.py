@@ -552,7 +552,7 @@ def plot_breakdown(results: Sequence[dict], *, min_label: float = 0.04):
 def plot_experts_profile(doc: dict):
     """One MoE layer's experts (``benchmarks/experts_profile.py``): per preset and token count, forward + backward ms
     of the grouped matmuls alone (the limit), sync_free, and sync_free with every fused kernel off; each bar labelled
-    with its ratio to the limit."""
+    with its time over the limit, in percent (lower is better)."""
     from .results import experts_profile_rows
 
     plt = _plt()
@@ -569,14 +569,51 @@ def plot_experts_profile(doc: dict):
                 continue
             xs.append(j + (i - 1) * width)
             ys.append(ms)
-            if key is not None and r["limit_ms"]:
-                ax.text(j + (i - 1) * width, ms, f"{ms / r['limit_ms']:.2f}x", ha="center", va="bottom", fontsize=7)
+            if key is not None and r["limit_ms"]:    # time over the limit in percent ("x" is kept for speed)
+                ax.text(j + (i - 1) * width, ms, f"{100 * (ms / r['limit_ms'] - 1):+.0f}%", ha="center", va="bottom",
+                        fontsize=7)
         ax.bar(xs, ys, width=width, color=color, label=label)
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([f"{r['preset']}\n{r['tokens']} tokens" for r in rows], fontsize=8)
-    ax.set_ylabel("forward + backward, ms")
+    ax.set_ylabel("forward + backward, ms (lower is better)")
     ax.set_title(f"one MoE layer's experts against the grouped matmuls alone | {_where(doc)}", fontsize=9)
     ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def plot_expert_grouping(expert_ids, sorted_ids, perm, ends, top_k: int | None = None):
+    """The grouping of notebook 03's worked example: left, the router's choice per (token, slot) (``expert_ids``,
+    tokens x top_k); right, the rows after one stable sort (``sorted_ids``, ``perm`` = flat position of each sorted
+    row, so its token is ``perm // top_k``) with each expert's end offset (``ends``) marked. An expert that got no
+    token shares its end with the one before: its label says so. Takes tensors or lists."""
+    plt = _plt()
+    ids, sorted_ids, perm, ends = (t.tolist() if hasattr(t, "tolist") else list(t)
+                                   for t in (expert_ids, sorted_ids, perm, ends))
+    tokens, k = len(ids), top_k or len(ids[0])
+    colors = plt.cm.tab10.colors
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4), gridspec_kw={"width_ratios": [1, 2.2]})
+    for t, row in enumerate(ids):
+        for j, e in enumerate(row):
+            a.add_patch(plt.Rectangle((j, tokens - 1 - t), 0.95, 0.95, color=colors[e % 10]))
+            a.text(j + 0.47, tokens - 1 - t + 0.47, f"E{e}", ha="center", va="center", color="white", fontsize=9)
+    a.set_xlim(0, k); a.set_ylim(0, tokens)
+    a.set_xticks([j + 0.5 for j in range(k)]); a.set_xticklabels([f"slot {j}" for j in range(k)])
+    a.set_yticks([tokens - 0.5 - t for t in range(tokens)]); a.set_yticklabels([f"token {t}" for t in range(tokens)])
+    a.set_title(f"router output: top-{k} experts per token", fontsize=9)
+    for r, (e, p) in enumerate(zip(sorted_ids, perm)):
+        b.add_patch(plt.Rectangle((r, 0), 0.95, 1, color=colors[e % 10]))
+        b.text(r + 0.47, 0.5, f"t{p // k}", ha="center", va="center", color="white", fontsize=9)
+    empty = [e for e, end in enumerate(ends) if end == (ends[e - 1] if e else 0)]
+    for e, end in enumerate(ends):
+        b.axvline(end - 0.025, color="black", lw=1.2)
+        level = ends[:e].count(end)     # an empty expert shares its end with the previous one: stack the labels
+        b.text(end - 0.05, 1.06 + 0.12 * level, f"offs[{e}]={end}" + (f" (E{e} empty)" if e in empty else ""),
+               ha="right", fontsize=8)
+    b.set_xlim(-0.2, len(perm) + 0.2); b.set_ylim(0, 1.42); b.set_yticks([])
+    b.set_xlabel("sorted rows: each expert's tokens are one contiguous slice"
+                 + (f" (empty: {', '.join(f'E{e}' for e in empty)})" if empty else ""))
+    b.set_title("after one sort: tokens grouped by expert", fontsize=9)
     fig.tight_layout()
     return fig
 
@@ -673,4 +710,4 @@ def plot_peer(comparisons: Sequence[tuple[Sequence[dict], Sequence[dict]]]):
 
 __all__ = ["save_figure", "plot_result", "plot_limit_gap", "plot_waterfall", "plot_regime", "plot_offload_result",
            "plot_across_tokens", "plot_sweep", "plot_timeline", "plot_timelines", "plot_host_device_timeline",
-           "plot_offload_link", "plot_breakdown", "BREAKDOWN_COLORS", "plot_experts_profile", "peer_rows", "plot_peer"]
+           "plot_offload_link", "plot_breakdown", "BREAKDOWN_COLORS", "plot_experts_profile", "plot_expert_grouping", "peer_rows", "plot_peer"]

@@ -546,6 +546,309 @@ def combined_summary(tokens: int = 8192, autocast: str = "bf16") -> list[tuple[s
     return out
 
 
+# --- text views the notebooks print (one call per cell) -------------------------------------------------------------
+MOE_DEFAULT = "transformers grouped_mm"     # transformers 5.x's default experts path: the real baseline
+
+
+def _speed(base_ms: float | None, ms: float) -> str:
+    """``base / ms`` as "1.23x" (higher is faster), "–" without a base."""
+    return f"{base_ms / ms:.2f}x" if base_ms else "–"
+
+
+def moe_runs_text(docs: list[dict]) -> str:
+    """Committed MoE results (``moe-routing``: whole-model steps; ``moe-experts-layer``: one layer's experts) as text:
+    per configuration, each variant's step ms, its speed over the naive loop and over transformers' default
+    ``grouped_mm`` path ("x": higher is faster), host syncs per step. A variant that failed says so; a baseline the
+    run did not measure leaves its column "–" (no other run stands in)."""
+    if not docs:
+        return "No committed GPU run of the MoE scenarios."
+    order = {"moe-routing": 0, "moe-experts-layer": 1}
+    docs = sorted(docs, key=lambda d: (order.get(d["scenario"], 2), d["config"].get("model", ""),
+                                       d["config"].get("tokens_per_step", 0), d["config"].get("mode", "")))
+    first: dict[str, dict] = {}                                      # one document per run, to name each run once
+    for d in docs:
+        first.setdefault(R.run_of(d), d)
+    out = [f"from {R.describe_run(d)}" for d in first.values()]
+    for d in docs:
+        c = d["config"]
+        what = (f"whole model, {c.get('num_layers')} layers, {c.get('mode')} step" if d["scenario"] == "moe-routing"
+                else "one layer's experts, forward + backward")
+        out.append(f"\n{c.get('model')}, {c.get('tokens_per_step')} tokens, {what} ({R.run_of(d)})")
+        out.append(f"  {'variant':26s} {'step ms':>9s} {'vs naive':>9s} {'vs default':>11s} {'syncs/step':>11s}")
+        ok = {v["name"]: v["step_ms"]["median"] for v in d["variants"] if "step_ms" in v}
+        for v in d["variants"]:
+            if v["name"] not in ok:
+                out.append(f"  {v['name']:26s} failed: {str(v.get('error', 'no timing'))[:70]}")
+                continue
+            ms = ok[v["name"]]
+            out.append(f"  {v['name']:26s} {ms:9.2f} {_speed(ok.get('naive'), ms):>9s} "
+                       f"{_speed(ok.get(MOE_DEFAULT), ms):>11s} {v.get('host_syncs_per_step', '–')!s:>11s}")
+    out.append(f"\nvs default: speed over {MOE_DEFAULT!r}, what transformers 5.x runs unless told otherwise; "
+               "vs naive: over the eager per-expert loop (x: higher is faster).")
+    return "\n".join(out)
+
+
+def experts_profile_text(doc: dict | None, top: int = 10) -> str:
+    """A committed experts profile (``benchmarks/experts_profile.py``, :func:`.results.experts_profile_rows`) as text:
+    per preset and token count, sync_free and sync_free with every fused kernel off against the grouped matmuls alone
+    (percent over that limit), the glue against its HBM floor, and where sync_free's GPU time goes in the first case
+    (its ``top`` ops). Says so when no profile was committed."""
+    if doc is None:
+        return "No committed experts profile (benchmarks/experts_profile.py on the GPU machine)."
+    nan = float("nan")
+    def over(d: dict) -> str:
+        return f"{(d.get('vs_limit') or nan) * 100 - 100:+.0f}% over the matmuls alone"
+
+    out = [f"[{R.describe_run(doc)}] {doc.get('what', '')}".rstrip()]
+    for r in R.experts_profile_rows(doc):
+        sf, eg = r.get("sync_free") or {}, r.get("sync_free:eager_glue") or {}
+        out.append(f"  {r['preset']:14s} {r['tokens']:6d} tokens: matmuls alone {r['limit_ms']:6.2f} ms, sync_free "
+                   f"{sf.get('step_ms', nan):6.2f} ms ({over(sf)}), every fused kernel off "
+                   f"{eg.get('step_ms', nan):6.2f} ms ({over(eg)})")
+        if sf.get("glue_ms") and r.get("glue_floor_ms"):
+            out.append(f"  {'':28s}glue {sf['glue_ms']:.2f} ms against its HBM floor {r['glue_floor_ms']:.2f} ms "
+                       f"({r['glue_bytes'] / 1e9:.2f} GB); the grouped-matmul kernels ({sf['grouped_mm_ms']:.2f} ms) plus "
+                       f"that floor: {sf['best_unfused_vs_grouped_mm'] * 100 - 100:+.0f}% over the kernels alone")
+    case = doc["cases"][0]
+    row = next((r for r in case["rows"] if r["name"] == "sync_free" and r.get("profile_step")), None)
+    if row is not None:
+        out.append(f"\nwhere sync_free's GPU time goes, {case['preset']} {case['tokens']} tokens "
+                   f"({row['profile_step']['gpu_busy_ms']:.2f} ms busy per forward + backward):")
+        out.extend(f"  {o['ms']:7.3f} ms  {o['name']}" for o in row["profile_step"]["ops"][:top])
+    return "\n".join(out)
+
+
+def _bytes(n: float) -> str:
+    """Bytes in GiB / MiB / KiB, whichever reads best."""
+    unit, scale = next((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+                       if abs(n) >= s or s == 1)
+    return f"{n / scale:.1f} {unit}" if scale > 1 else f"{n:.0f} B"
+
+
+def _met(ok) -> str:
+    return "met" if ok else "NOT met"
+
+
+def offload_derived_text(doc: dict) -> str:
+    """The figures the offload benchmark derives for one token count (``doc["derived"]``) as a sentence: the gains of
+    the double buffer over one buffer, its cost against standard checkpointing and its speed over ``save_on_cpu`` and
+    transformers' ``offload=True`` ("x": higher is faster), the memory saved and the second buffer's size, each
+    target of the issue said to be met or not (no raw flags)."""
+    d, parts = doc.get("derived") or {}, []
+    if "double_prefetch_vs_single_gain" in d:
+        parts.append(f"two buffers + prefetch {d['double_prefetch_vs_single_gain'] * 100:+.1f}% over one buffer"
+                     + (f" (two buffers alone {d['double_vs_single_gain'] * 100:+.1f}%)" if "double_vs_single_gain" in d
+                        else ""))
+    if "offload2p_vs_standard_overhead" in d:
+        over = d["offload2p_vs_standard_overhead"]
+        parts.append(f"{abs(over) * 100:.1f}% {'slower' if over > 0 else 'faster'} than standard checkpointing"
+                     + (f" (target: within 3%, {_met(d['target_within_3pct_of_standard'])})"
+                        if "target_within_3pct_of_standard" in d else ""))
+    if "offload2p_speedup_vs_save_on_cpu_step" in d:
+        parts.append(f"{d['offload2p_speedup_vs_save_on_cpu_step']:.2f}x the speed of save_on_cpu around the step"
+                     + (f" (target: 1.5x, {_met(d['target_1p5x_vs_save_on_cpu'])})" if "target_1p5x_vs_save_on_cpu" in d
+                        else ""))
+    if "offload2p_speedup_vs_transformers_offload" in d:
+        parts.append(f"{d['offload2p_speedup_vs_transformers_offload']:.2f}x the speed of transformers offload=True")
+    if "peak_saved_vs_standard_bytes" in d:
+        parts.append(f"peak {_bytes(d['peak_saved_vs_standard_bytes'])} below standard checkpointing"
+                     + (f" (target: below, {_met(d['target_peak_below_standard'])})" if "target_peak_below_standard" in d
+                        else ""))
+    if "second_buffer_bytes" in d:
+        parts.append(f"second staging buffer {_bytes(d['second_buffer_bytes'])}"
+                     + (f" (target: at most 0.5 GB, {_met(d['target_second_buffer_le_0p5GB'])})"
+                        if "target_second_buffer_le_0p5GB" in d else ""))
+    if d.get("note"):
+        parts.append(str(d["note"]))
+    head = f"{doc['config'].get('tokens_per_step')} tokens: "
+    return head + ("; ".join(parts) if parts else "no derived figures in this result")
+
+
+def offload_overlap_text(doc: dict) -> str:
+    """The copy/compute overlap of a committed offload timeline (``offload_timeline``), one line per variant: the
+    share of copies (and of reloads) hidden behind compute, and how long compute waited for reloads."""
+    out = [f"[{R.describe_run(doc)}]"]
+    for name, ov in doc.get("overlap", {}).items():
+        hidden = ov.get("hidden_share")
+        out.append(f"  {name:28s} copies hidden behind compute: "
+                   + (f"{hidden:.0%} (reloads {ov.get('h2d_hidden_share') or 0:.0%})" if hidden is not None else "–")
+                   + f", compute waited {ov.get('reload_stall_ms', float('nan')):.1f} ms for reloads")
+    return "\n".join(out)
+
+
+def offload_vram_text(docs: list[dict]) -> str:
+    """Peak GPU memory of each variant of the committed full-depth offload runs (``offload_vram``), in GiB."""
+    if not docs:
+        return "No committed full-depth memory run of the offload scenario."
+    out = []
+    for d in docs:
+        c = d["config"]
+        peaks = ", ".join(f"{v['name']} {v['peak_mem_bytes'] / 2**30:.2f} GiB" if v.get("peak_mem_bytes")
+                          else f"{v['name']} not measured" for v in d["variants"])
+        out.append(f"peak at full depth on the GPU, {c.get('num_layers')} layers, {c.get('tokens_per_step')} tokens: "
+                   f"{peaks}  [{R.describe_run(d)}]")
+    return "\n".join(out)
+
+
+def offload_sweep_text(doc: dict | None) -> str:
+    """The regime sweep (``offload_sweep``) as one line per point: preset, width, tokens, the reload-to-backward time
+    ratio, and the gain of two buffers + prefetch over one buffer, and over one buffer with serial forward copies
+    (percent, positive: faster). A gain the run did not measure reads "–"."""
+    if doc is None:
+        return "No committed GPU run of the offload regime sweep."
+    def pct(v: float | None) -> str:
+        return f"{v * 100:+5.1f}%" if v is not None else "    –"
+
+    out = [f"[{R.describe_run(doc)}]",
+           (f"  {'preset':12s} {'hidden':>6s} {'tokens':>6s} {'reload/backward':>15s} {'x2+prefetch over x1':>20s} "
+            f"{'over x1, serial fwd copies':>27s}")]
+    for p in doc.get("points", []):
+        ratio = p.get("copy_to_backward_ratio")
+        out.append(f"  {p.get('preset', ''):12s} {p.get('hidden_size', 0):6d} {p.get('tokens', 0):6d} "
+                   f"{(f'{ratio:.3f}' if ratio is not None else '–'):>15s} {pct(p.get('gain_x2p_vs_x1')):>20s} "
+                   f"{pct(p.get('gain_x2p_vs_x1_serial')):>27s}")
+    return "\n".join(out)
+
+
+def offload_link_text(doc: dict | None) -> str:
+    """The emulated-link run (``offload_link``): per link bandwidth, the copy/backward ratio, one buffer's and two
+    buffers + prefetch's step time over plain checkpointing (percent, positive: slower), the gain of two buffers
+    over one, measured and modelled, then where the published +6.7% begins and where each mode stops paying."""
+    if doc is None:
+        return "No committed GPU run of the offload_link scenario (bench --only offload_link on the GPU machine)."
+    c = doc["config"]
+    out = [f"[{R.describe_run(doc)}; {c.get('model')} x{c.get('num_layers')}, {c.get('tokens_per_step')} tokens]"]
+    for p in doc.get("points", []):
+        out.append(f"  link {p['measured_gbps']:5.1f} GB/s  copy/backward {p['copy_to_backward_ratio']:.3f}  "
+                   f"step time over plain: x1 {100 * (p['offload1_ms'] / p['plain_ms'] - 1):+5.1f}%, x2+prefetch "
+                   f"{100 * (p['offload2p_ms'] / p['plain_ms'] - 1):+5.1f}%  gain of x2 over x1 "
+                   f"{100 * p['gain_x2_vs_x1']:+5.1f}% (model {100 * p['model_gain_x2_vs_x1']:+5.1f}%)")
+    der = doc.get("derived") or {}
+    if der:
+        out.append(f"the published +6.7% begins near {der['published_gain_regime_begins_gbps']:.1f} GB/s; x2 + prefetch "
+                   f"stays within 3% of plain checkpointing down to {der['x2_stops_paying_gbps']:.1f} GB/s, x1 down to "
+                   f"{der['x1_stops_paying_gbps']:.1f} GB/s")
+    return "\n".join(out)
+
+
+def _runs_named(docs: list[dict]) -> list[str]:
+    return [f"  {r}" for r in sorted({R.describe_run(d) for d in docs})]
+
+
+def _cfg(d: dict) -> str:
+    return " ".join(map(str, R.packed_key(d)))
+
+
+def _f(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def packed_configs_text(docs: list[dict]) -> str:
+    """Every committed packed configuration (:func:`.results.packed_configs`) as a table: the cached path's speed over
+    the naive one (forward, step; "x": higher is faster), cached over the oracle's step time, and the run. A
+    configuration whose newest run has no ratio says which variant failed, instead of an older run's ratio."""
+    # here, not at the top: the scenario module needs torch, this module's callers not
+    from .scenarios.packed import speedups
+
+    if not docs:
+        return "No committed GPU run of the packed scenario."
+    out = [f"{len(docs)} GPU configurations, the newest measurement of each, from:", *_runs_named(docs),
+           (f"\n{'model':11s} {'layers':>6s} {'mix':9s} {'backend':7s} {'tokens':>6s}   cached/naive: forward    step"
+            f"   cached/oracle step   run")]
+    for d in docs:
+        s, failed = speedups(d), [v["name"] for v in d["variants"] if "error" in v]
+        if "cached_forward_speedup" in s:
+            ratios = f"{s['cached_forward_speedup']:20.3f}x {s['cached_step_speedup']:6.3f}x"
+        else:
+            ratios = f"{'no ratio, failed: ' + (failed[0].split()[-1] if failed else 'naive'):>28s}"
+        model, layers, mix, backend, tokens = R.packed_key(d)
+        out.append(f"{model:11s} {layers:6d} {mix:9s} {backend:7s} {tokens:6d} {ratios} "
+                   f"{_f(s.get('cached_vs_oracle_step'), '14.3f')}        {R.run_of(d)}")
+    return "\n".join(out)
+
+
+def packed_findings_text(docs: list[dict], published_forward: float = 1.433) -> str:
+    """What the committed packed configurations say, computed from them: how many have the cached path within 1% of
+    the oracle (and, for the others, the oracle's own p20-p80 spread), the largest and smallest gains of the cache
+    over the naive path, and where the published forward gain (+43.3%) is reached."""
+    from .scenarios.packed import speedups
+
+    measured = [(d, speedups(d)) for d in docs]
+    paired = [(d, s) for d, s in measured if "cached_vs_oracle_step" in s]
+    near = [d for d, s in paired if abs(s["cached_vs_oracle_step"] - 1) <= 0.01]
+    out = [(f"cached path within 1% of the oracle (step time): {len(near)} of {len(paired)} configurations; the "
+            f"others, with the oracle's own p20-p80 spread (a difference inside it is noise):")]
+    for d, s in paired:
+        if d not in near:
+            o = next(v["step_ms"] for v in d["variants"] if v["name"].endswith(" oracle"))
+            out.append(f"  {_cfg(d):34s} cached/oracle {s['cached_vs_oracle_step']:.3f}   "
+                       f"oracle spread +-{(o['p80'] - o['p20']) / 2 / o['median']:.1%}")
+    gains = sorted(((s["cached_forward_speedup"], s["cached_step_speedup"], d) for d, s in measured
+                    if "cached_forward_speedup" in s), key=lambda g: -g[0])
+    out.append("\nlargest gains of the cache over the naive path (forward, step):")
+    out.extend(f"  {_cfg(d):34s} {fwd - 1:+7.1%} {step - 1:+7.1%}" for fwd, step, d in gains[:4])
+    out.append("smallest:")
+    out.extend(f"  {_cfg(d):34s} {fwd - 1:+7.1%} {step - 1:+7.1%}" for fwd, step, d in gains[-3:])
+    above = [d for fwd, _, d in gains if fwd >= published_forward]
+    out.append(f"\nUnsloth's published {published_forward - 1:+.1%} forward (Qwen3-14B QLoRA SFT) is reached in "
+               f"{len(above)} of {len(gains)} configurations: {', '.join(_cfg(d) for d in above) or 'none'}")
+    return "\n".join(out)
+
+
+def packed_variants_text(docs: list[dict], stock: str = "stock sdpa") -> str:
+    """Every variant's step time in one run's documents (:func:`.results.packed_headline`), with its speed over stock
+    transformers (``stock``, "x": higher is faster; "–" where the run has no stock row). A failed variant says so."""
+    if not docs:
+        return "No committed GPU run of the packed scenario at this configuration."
+    c = docs[0]["config"]
+    stock_ms = next((v["step_ms"]["median"] for d in docs for v in d["variants"] if v["name"] == stock
+                     and "step_ms" in v), None)
+    out = [(f"{c['model']} width, {c.get('num_layers')} layers, {c['tokens_per_step']} tokens/step, {c['mix']} lengths: "
+            f"{R.describe_run(docs[0])}")]
+    for d in docs:
+        for v in d["variants"]:
+            if "step_ms" in v:
+                ms = v["step_ms"]["median"]
+                out.append(f"  {v['name']:24s} step {ms:7.1f} ms   speed over {stock} "
+                           + (f"{stock_ms / ms:.2f}x" if stock_ms else "–"))
+            else:
+                out.append(f"  {v['name']:24s} failed: {str(v.get('error', ''))[:90]}")
+    return "\n".join(out)
+
+
+def packed_regime_text(points: list[dict]) -> str:
+    """The regime map's points (:func:`.results.packed_regime`): those drawn as missing (their newest run has no
+    ratio; no older run stands in), then how many have a ratio and the runs they come from."""
+    runs = {R.run_of(d): R.describe_run(d) for d in R.load_results(["packed_metadata_regime", "packed_metadata"])}
+    missing = [p for p in points if not p.get("cached_forward_speedup")]
+    out = [f"missing (its newest run has no ratio): {p['model']} x{p.get('num_layers')} {p['backend']} {p['mix']} "
+           f"{p['tokens_per_step']} tokens" for p in missing]
+    out.append(f"{len(points) - len(missing)} points with a ratio, from:")
+    out.extend(f"  {runs.get(r, r)}" for r in sorted({p["_run"] for p in points}))
+    return "\n".join(out)
+
+
+def packed_collated_text(docs: list[dict], band: float = 0.005) -> str:
+    """The collated path (:func:`.results.packed_configs` with ``collated=True``): per configuration the cached and
+    the collated step time over the oracle's, and the oracle's ms; then how many are within ``band`` of the oracle."""
+    from .scenarios.packed import speedups
+
+    if not docs:
+        return "No committed GPU run of the collated path."
+    out = [f"{len(docs)} configurations, from:", *_runs_named(docs),
+           f"\n{'model':11s} {'layers':>6s} {'backend':7s} {'tokens':>6s}   cached/oracle   collated/oracle   oracle ms"]
+    inside = 0
+    for d in docs:
+        s = speedups(d)
+        o = next(v["step_ms"]["median"] for v in d["variants"] if v["name"].endswith(" oracle"))
+        model, layers, _, backend, tokens = R.packed_key(d)
+        out.append(f"{model:11s} {layers:6d} {backend:7s} {tokens:6d} {_f(s.get('cached_vs_oracle_step'), '13.4f')} "
+                   f"{_f(s.get('collated_vs_oracle_step'), '17.4f')} {o:11.1f}")
+        inside += s.get("collated_vs_oracle_step") is not None and abs(s["collated_vs_oracle_step"] - 1) <= band
+    out.append(f"\ncollated within {band:.1%} of the oracle: {inside} of {len(docs)} configurations")
+    return "\n".join(out)
+
+
 TABLES = {"headline": headline_table, "combined": combined_table, "packed": packed_table, "regime": regime_table, "offload": offload_table,
           "moe": moe_table, "soak": soak_table, "peer": peer_table, "offload_link": offload_link_table,
           "breakdown": breakdown_table}
@@ -570,5 +873,7 @@ def write_readme(paths=DOCS) -> str:
     return ", ".join(str(p) for p in paths)
 
 
-__all__ = ["TABLES", "combined_summary", "render", "write_readme", "write_headline_chart", "headline_rows", "headline_table", "README",
+__all__ = ["TABLES", "combined_summary", "moe_runs_text", "experts_profile_text", "offload_derived_text", "offload_overlap_text",
+           "offload_vram_text", "offload_sweep_text", "offload_link_text", "packed_configs_text",
+           "packed_findings_text", "packed_variants_text", "packed_regime_text", "packed_collated_text", "MOE_DEFAULT", "render", "write_readme", "write_headline_chart", "headline_rows", "headline_table", "README",
            "RESULTS_MD", "DOCS"]

@@ -190,6 +190,41 @@ def packed_regime(root=None, device_type: str = "cuda") -> list[dict]:
     return out
 
 
+def packed_key(d: dict) -> tuple:
+    """What tells two packed results apart: model, depth, length mix, backend, tokens per step."""
+    c = d["config"]
+    return c["model"], c.get("num_layers"), c["mix"], c["backend"], c["tokens_per_step"]
+
+
+def _ran(d: dict, suffix: str) -> bool:
+    return any(v["name"].endswith(suffix) and (suffix == " naive" or "step_ms" in v) for v in d["variants"])
+
+
+def packed_configs(root=None, device_type: str = "cuda", collated: bool = False) -> list[dict]:
+    """The newest committed packed result of each configuration (:func:`packed_key`), sorted by it: of the runs that
+    ran the naive path (failed or not: a failure is the newest word on that point), or with ``collated=True`` of the
+    runs that timed the collated path (``<backend> cached (collated)``)."""
+    docs = [d for d in load_results("packed_metadata", root=root, device_type=device_type)
+            if _ran(d, " (collated)" if collated else " naive")]
+    return sorted(newest_per_config(docs, packed_key), key=packed_key)
+
+
+def packed_headline(model: str = "qwen3-14b", tokens: int = 8192, mix: str = "realistic",
+                    backends: Sequence[str] = ("sdpa", "varlen", "flex"), root=None) -> list[dict]:
+    """One document per backend at ``model`` width, ``tokens`` per step and ``mix``, all from the newest run that
+    ran the naive path on every one of ``backends`` there (else from the newest run that ran any): one session, so
+    its rows compare. ``[]`` when none was committed."""
+    by_run: dict[str, dict[str, dict]] = {}
+    for d in load_results("packed_metadata", root=root):          # newest first: the newest per backend in each run
+        c = d["config"]
+        if c["model"] == model and c["tokens_per_step"] == tokens and c["mix"] == mix and _ran(d, " naive"):
+            by_run.setdefault(run_of(d), {}).setdefault(c["backend"], d)
+    if not by_run:
+        return []
+    run = next((r for r, docs in by_run.items() if set(backends) <= set(docs)), next(iter(by_run)))
+    return [by_run[run][b] for b in backends if b in by_run[run]]
+
+
 def _floor_config(d: dict) -> tuple:
     """What tells two combined or breakdown results apart: model, depth, tokens per step, kernels, autocast."""
     c = d["config"]
@@ -206,13 +241,17 @@ def combined_results(root=None, device_type: str = "cuda") -> list[dict]:
 PEER_OUR_VARIANTS = ("transformers default", "all naive", "all fast")   # our rows shown beside a peer's
 
 
-def newest_peak_gib(scenario: str, root=None, **config) -> tuple[float | None, dict | None]:
+def newest_peak_gib(scenario: str, root=None, variant: str | None = None, **config) -> tuple[float | None, dict | None]:
     """The largest ``peak_mem_bytes`` (GiB) of the newest committed GPU result of ``scenario`` whose config has
-    every ``config`` value, with that document; ``(None, None)`` when none matches."""
+    every ``config`` value (with ``variant``: of that variant only, in the newest such result that ran it), with that
+    document; ``(None, None)`` when none matches, ``(None, doc)`` when the document has no peak for it."""
     docs = [d for d in load_results(scenario, root=root) if all(d["config"].get(k) == v for k, v in config.items())]
+    if variant is not None:         # the newest document that ran that variant (a later run may have left it out)
+        docs = [d for d in docs if any(v["name"] == variant for v in d["variants"])] or docs
     if not docs:
         return None, None
-    return max((v.get("peak_mem_bytes") or 0) for v in docs[0]["variants"]) / 2**30, docs[0]
+    peaks = [v["peak_mem_bytes"] for v in docs[0]["variants"] if variant in (None, v["name"]) and v.get("peak_mem_bytes")]
+    return (max(peaks) / 2**30 if peaks else None), docs[0]
 
 
 def peer_results(root=None, device_type: str = "cuda") -> list[tuple[list[dict], list[dict]]]:
@@ -296,5 +335,5 @@ def breakdown_results(root=None, device_type: str | None = "cuda") -> list[dict]
 
 __all__ = ["all_results", "load_results", "run_of", "newest_per_config", "describe_run", "build_index", "write_index",
            "repo_results_dir", "INDEX", "step_spread", "unsettled", "UNSETTLED_SPREAD", "offload_results",
-           "packed_regime", "combined_results", "newest_peak_gib", "peer_results", "PEER_OUR_VARIANTS", "experts_profile",
+           "packed_regime", "packed_key", "packed_configs", "packed_headline", "combined_results", "newest_peak_gib", "peer_results", "PEER_OUR_VARIANTS", "experts_profile",
            "experts_profile_rows", "breakdown_results"]

@@ -133,4 +133,15 @@ def span_ms(events: Sequence[dict]) -> float:
     return max(e["end_ms"] for e in events) - min(e["start_ms"] for e in events)
 
 
-__all__ = ["copy_overlap", "simulate_schedule", "span_ms", "KIND_COLORS", "KIND_LABELS"]
+def per_layer_means(events: Sequence[dict], kinds: Sequence[str] = ("fwd", "bwd", "h2d", "d2h")) -> dict[str, float]:
+    """Mean duration (ms) per event of each kind in ``kinds`` (a layer's forward, its recompute + backward, a reload,
+    an offload copy): the per-layer durations :func:`simulate_schedule` takes. A kind with no event is left out."""
+    out = {}
+    for kind in kinds:
+        spans = [e["end_ms"] - e["start_ms"] for e in events if e["kind"] == kind]
+        if spans:
+            out[kind] = sum(spans) / len(spans)
+    return out
+
+
+__all__ = ["copy_overlap", "simulate_schedule", "span_ms", "per_layer_means", "KIND_COLORS", "KIND_LABELS"]

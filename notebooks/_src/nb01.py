@@ -62,6 +62,7 @@ print(describe())
 The equivalence checks always use the tiny models (they run on any machine in seconds, float32, tight tolerances).
 The speed measurement uses the real width on a GPU: the largest choice that fits, the backends this GPU can train
 with (torch's varlen kernel needs sm80+), and its dtype (bf16 from sm80 on, fp16 on a T4).
+The cell also prints the peak memory the committed H200 run of each GPU choice measured.
 '''),
 ("code", r'''
 # GiB each GPU choice needs: the committed H200 peak of the same configuration (printed below) plus headroom
@@ -90,21 +91,12 @@ print(PROFILE.describe())
 print(why)
 print(dict(BENCH_MODEL=BENCH_MODEL, NUM_LAYERS=NUM_LAYERS, TOKENS=TOKENS, MIX=MIX, BACKENDS=BACKENDS, DEVICE=DEVICE,
            DTYPE=str(DTYPE)))
-'''),
-("code", r'''
-# What the GPU choices took on the H200: peak_mem_bytes of the committed runs of the same configurations
+# what the GPU choices took on the H200: the peak of stock transformers' step in the newest committed run of each
 for name, c in CHOICES.items():
-    layers = c["layers"]
-    docs = [d for d in results.load_results("packed_metadata") if d["config"]["model"] == name
-            and d["config"]["num_layers"] == layers and d["config"]["tokens_per_step"] == 4096
-            and d["config"]["mix"] == "realistic" and d["config"]["backend"] == "sdpa"
-            and any(v["name"].startswith("stock") for v in d["variants"])]     # the stock path's peak included
-    if docs:
-        peak = max(v.get("peak_mem_bytes") or 0 for v in docs[0]["variants"]) / 2**30
-        print(f"{name} ({layers} layers, 4096 tokens): needs {c['gib']} GiB here; the H200 peaked at {peak:.1f} GiB "
-              f"[{results.describe_run(docs[0])}]")
-    else:
-        print(f"{name}: needs {c['gib']} GiB here (no committed run of this configuration)")
+    peak, doc = results.newest_peak_gib("packed_metadata", variant="stock sdpa", model=name, num_layers=c["layers"],
+                                        tokens_per_step=4096, mix="realistic", backend="sdpa")
+    print(f"{name} ({c['layers']} layers, 4096 tokens): needs {c['gib']} GiB here; " +
+          (f"the H200 peaked at {peak:.1f} GiB [{results.describe_run(doc)}]" if peak else "no committed run of stock transformers here"))
 '''),
 ("md", r'''
 ## A packed batch and its metadata
@@ -130,7 +122,8 @@ for name, st in available_backends(DEVICE).items():
 Stock transformers detects packing in `masking_utils` from `position_ids` (a new sequence starts where the position
 does not increase by one) — but only when the model passes `position_ids` to `create_causal_mask` *and* no 2-D
 `attention_mask` is given. We feed each model a packed batch as it is and compare each sequence's logits with the
-same sequence run alone. A leak shows as a difference far above float32 noise.
+same sequence run alone. A leak shows as a difference far above float32 noise. The cell stops with an error where a model does not behave as the
+list after it says.
 '''),
 ("code", r'''
 from fastsft_lab.models import build_model, LoraSettings
@@ -153,13 +146,11 @@ for impl in ("eager", "sdpa"):   # flex_attention behaves the same (same masking
 qwen.get_base_model().set_attn_implementation("sdpa")
 leaks[f"GPT-OSS + {'eager':14s} no mask"] = cross_contamination(gpt, batch)
 leaks[f"GPT-OSS + {'eager':14s} all-ones attention_mask"] = cross_contamination(gpt, batch, attention_mask_ones=True)
+leaking = {what: diff > 1e-3 for what, diff in leaks.items()}   # float32 noise is ~1e-7; a leak is ~1e-1
 for what, diff in leaks.items():
-    print(f"{what:55s} max |packed - alone| = {diff:.1e}")
-'''),
-("code", r'''
-# NBVAL_CHECK_OUTPUT
-for what, diff in leaks.items():
-    print(f"{what:55s} sequences leak into each other: {diff > 1e-3}")
+    print(f"{what:55s} max |packed - alone| = {diff:.1e}  -> {'LEAK' if leaking[what] else 'kept apart'}")
+# transformers 5.17, as the next cell explains: only Qwen3 without a 2-D mask keeps packed sequences apart
+assert [w for w, leak in leaking.items() if not leak] == [w for w in leaks if w.startswith("Qwen3") and w.endswith("no mask")]
 '''),
 ("md", r'''
 What happens, precisely (transformers 5.17):
@@ -179,10 +170,20 @@ What happens, precisely (transformers 5.17):
 from `position_ids`, as the code we are replacing does (each backend's naive builder sits next to its cached one in
 `fastsft_lab/packing/backends/<backend>.py`, with every sync it pays and where the pattern comes from). Counted
 with `SyncCounter` (it counts on a CPU the operations that would sync a GPU), per decoder layer, over one forward.
+
+On a GPU each of those is a full stop of the launch queue. In a training step with gradient checkpointing they are
+paid twice (forward and recompute), in every layer: for SDPA at 40 layers, 4 × 40 × 2 = 320 stalls per step (the
+count notebook 00 prints for its naive variant). The SDPA path also pays a Python loop over the segments (about six
+small kernels per segment) and a fresh T×T mask per layer. The profiler shows the extra work: the operators the
+naive path launches in one forward that the cached path does not (call counts: on a tiny CPU model their times are
+all near zero; the Chrome traces land in `runs/`, open them in Perfetto to see the gaps on a GPU timeline). The
+cell stops with an error if a layer of the naive path pays no sync.
 '''),
 ("code", r'''
+import os
+from collections import Counter
 from fastsft_lab.packing import enable_packed_attention, disable_packed_attention, set_packed_metadata_cache, packed_inputs
-from fastsft_lab.profiling import SyncCounter
+from fastsft_lab.profiling import SyncCounter, profile
 
 def syncs_per_layer(model, backend, cache, inputs):
     enable_packed_attention(model, backend, cache=cache)
@@ -191,46 +192,27 @@ def syncs_per_layer(model, backend, cache, inputs):
     disable_packed_attention(model)
     return list(counter.per_module().values()), counter.total
 
-naive_rows = {}
-for backend in ["sdpa", "varlen", "flex"]:
-    naive_rows[backend] = syncs_per_layer(qwen, backend, False, batch.model_inputs())
-'''),
-("code", r'''
-# NBVAL_CHECK_OUTPUT
+naive_rows = {backend: syncs_per_layer(qwen, backend, False, batch.model_inputs()) for backend in ["sdpa", "varlen", "flex"]}
 print("naive path, tiny Qwen3 (3 layers), one forward:")
 for backend, (per_layer, total) in naive_rows.items():
     print(f"  {backend:7s} syncs per layer {per_layer}  total {total}")
-'''),
-("md", r'''
-On a GPU each of those is a full stop of the launch queue. In a training step with gradient checkpointing they are
-paid twice (forward and recompute), in every layer: for SDPA at 40 layers, 4 × 40 × 2 = 320 stalls per step (the
-count notebook 00 prints for its naive variant). The SDPA path also pays a Python loop over the segments (about six
-small kernels per segment) and a fresh T×T mask per layer. The profiler shows the extra work: the operators the
-naive path launches in one forward that the cached path does not (call counts; the Chrome traces land in `runs/`,
-open them in Perfetto to see the gaps on a GPU timeline).
-'''),
-("code", r'''
-import os
-from collections import Counter
-from fastsft_lab.profiling import profile
+assert all(min(per_layer) >= 1 for per_layer, _ in naive_rows.values()), "a layer of the naive path paid no sync"
 
 os.makedirs("runs", exist_ok=True)
-
-def op_calls(cache):
+def op_calls(cache):      # operator call counts of one forward (its Chrome trace lands in runs/)
     enable_packed_attention(qwen, "sdpa", cache=cache)
     inputs = packed_inputs(batch) if cache else batch.model_inputs()
     with torch.no_grad():
         res = profile(lambda: qwen(**inputs), top=500, trace_path=f"runs/01_{'cached' if cache else 'naive'}_trace.json")
     disable_packed_attention(qwen)
-    return Counter({o["name"]: o["calls"] for o in res.top_ops}), {o["name"]: o["self_ms"] for o in res.top_ops}
+    return Counter({o["name"]: o["calls"] for o in res.top_ops})
 
-naive_calls, naive_ms = op_calls(False)
-cached_calls, cached_ms = op_calls(True)
-extra = {op: n - cached_calls.get(op, 0) for op, n in naive_calls.items() if n > cached_calls.get(op, 0)}
-print(f"operator calls in one forward: naive {sum(naive_calls.values())}, cached {sum(cached_calls.values())}")
-print("extra calls on the naive path (self time on this machine):")
-for op, n in sorted(extra.items(), key=lambda kv: -kv[1])[:10]:
-    print(f"  {n:5d} x {op:40s} {naive_ms[op]:8.2f} ms")
+naive_calls, cached_calls = op_calls(False), op_calls(True)
+extra = naive_calls - cached_calls
+print(f"\noperator calls in one forward: naive {sum(naive_calls.values())}, cached {sum(cached_calls.values())}; "
+      f"the naive path's extra calls, most frequent first:")
+for op, n in extra.most_common(10):
+    print(f"  {n:5d} x {op}")
 '''),
 ("md", r'''
 ## The fix
@@ -254,16 +236,36 @@ set_packed_metadata_cache(model, False)               # the naive path, live, fo
 disable_packed_attention(model)                       # exactly the original attn_implementation
 ```
 '''),
-("code", r'''
-cached_rows = {backend: syncs_per_layer(qwen, backend, True, packed_inputs(batch)) for backend in ["sdpa", "varlen", "flex"]}
-recovered = syncs_per_layer(qwen, "sdpa", True, batch.model_inputs())   # no metadata given: recovered once per step
+("md", r'''
+The cell below counts the syncs of the cached path (none inside the layers; one per step when the model hook has
+to recover the metadata from `position_ids`). Then the recompute: gradient checkpointing recomputes each layer in the
+backward pass, and the recompute must reuse the metadata, not rebuild it: one device copy and one mask per distinct window for the whole step, against two builds per layer on the
+naive path.
 '''),
 ("code", r'''
 # NBVAL_CHECK_OUTPUT
+from fastsft_lab.packing import BuildLog      # a debug hook: counts every metadata object built while open
+from fastsft_lab.models import decoder_layers
+
+cached_rows = {backend: syncs_per_layer(qwen, backend, True, packed_inputs(batch)) for backend in ["sdpa", "varlen", "flex"]}
+recovered = syncs_per_layer(qwen, "sdpa", True, batch.model_inputs())   # no metadata given: recovered once per step
 print("cached path, tiny Qwen3, one forward:")
 for backend, (per_layer, total) in cached_rows.items():
     print(f"  {backend:7s} syncs per layer {per_layer}  total {total}")
 print(f"  sdpa, metadata recovered from position_ids by the model hook: per layer {recovered[0]}  total {recovered[1]}")
+
+ckpt = tiny("tiny-gpt-oss", gradient_checkpointing=True).train()
+enable_packed_attention(ckpt, "sdpa")
+with BuildLog() as cached_log:
+    ckpt(**packed_inputs(batch)).loss.backward()
+set_packed_metadata_cache(ckpt, False)
+with BuildLog() as naive_log:
+    ckpt(**packed_inputs(batch)).loss.backward()
+state = disable_packed_attention(ckpt)   # every switch returns the model's ModelState
+print(f"\ntiny GPT-OSS, {len(decoder_layers(ckpt))} layers (sliding + full), checkpointed forward + backward:")
+print("  cached: builds per step", dict(cached_log.cached))
+print("  naive : dense masks built per step", naive_log.naive["dense"])
+print("after disable_packed_attention: packed =", state.packed)
 '''),
 ("md", r'''
 ## Equivalence first: every backend against each sequence run alone
@@ -272,6 +274,7 @@ packed logits and the LoRA gradients of the summed token loss, cached and naive,
 attention sinks and its sliding window (8 tokens in the tiny preset, shorter than most test sequences).
 '''),
 ("code", r'''
+# NBVAL_CHECK_OUTPUT
 def lora_grads(model, runs):
     model.zero_grad(set_to_none=True)
     for kwargs in runs:
@@ -299,40 +302,10 @@ for name, model in (("tiny-qwen3", qwen), ("tiny-gpt-oss", gpt)):
                 grad_err = rel_err(lora_grads(model, [packed_inputs(batch)]), alone_grads)
             disable_packed_attention(model)
             checks.append((name, backend, "cached" if cache else "naive", logit_err, grad_err))
-'''),
-("code", r'''
-# NBVAL_CHECK_OUTPUT
 print(f"{'model':13s} {'backend':8s} {'path':7s} logits == alone   LoRA grads == alone")
 for name, backend, path, logit_err, grad_err in checks:
     grads = "n/a (no CPU backward)" if grad_err is None else str(grad_err < 2e-5)
     print(f"{name:13s} {backend:8s} {path:7s} {str(logit_err < 1e-5):17s} {grads}")
-'''),
-("md", r'''
-Gradient checkpointing recomputes each layer in the backward pass. The recompute must reuse the metadata, not
-rebuild it: one device copy and one mask per distinct window for the whole step, against two builds per layer on the
-naive path.
-'''),
-("code", r'''
-from fastsft_lab.packing import BuildLog      # a debug hook: counts every metadata object built while open
-from fastsft_lab.models import decoder_layers
-
-ckpt = tiny("tiny-gpt-oss", gradient_checkpointing=True).train()
-enable_packed_attention(ckpt, "sdpa")
-with BuildLog() as cached_log:
-    ckpt(**packed_inputs(batch)).loss.backward()
-cached_builds = dict(cached_log.cached)
-set_packed_metadata_cache(ckpt, False)
-with BuildLog() as naive_log:
-    ckpt(**packed_inputs(batch)).loss.backward()
-naive_builds = naive_log.naive["dense"]
-state = disable_packed_attention(ckpt)   # every switch returns the model's ModelState
-print("after disable_packed_attention: packed =", state.packed)
-'''),
-("code", r'''
-# NBVAL_CHECK_OUTPUT
-print(f"tiny GPT-OSS, {len(decoder_layers(ckpt))} layers (sliding + full), checkpointed forward + backward:")
-print("  cached: builds per step", cached_builds)
-print("  naive : dense masks built per step", naive_builds)
 '''),
 ("md", r'''
 ## The fix measured
@@ -345,7 +318,7 @@ The GPU figures follow.
 '''),
 ("code", r'''
 from fastsft_lab.lab.harness import run_variants, make_result, format_table
-from fastsft_lab.lab.scenarios.packed import packed_variants, speedups
+from fastsft_lab.lab.scenarios.packed import packed_variants
 from fastsft_lab.data import benchmark_batches
 
 bench_model = build_model(BENCH_MODEL, device=DEVICE, dtype=DTYPE, quant=QUANT, lora=LoraSettings(rank=16),
@@ -357,22 +330,16 @@ bench_batches = [b.to(DEVICE) for b in benchmark_batches(tokens_per_step=TOKENS,
                                                          vocab_size=bench_model.config.vocab_size, mix=MIX)]
 print(f"{BENCH_MODEL}: {bench_model.config.num_hidden_layers} layers | {TOKENS} tokens/step | "
       f"{bench_batches[0].num_sequences} sequences in the first step")
-live = []
 for backend in BACKENDS:
     stock = "flex_attention" if backend == "flex" else "sdpa"
     rows = run_variants(bench_model, bench_batches, packed_variants(bench_model, backend, torch.device(DEVICE), stock=stock),
                         steps=STEPS - 1, warmup=1, progress=False)
     result = make_result("packed_metadata", {"model": BENCH_MODEL, "num_layers": bench_model.config.num_hidden_layers,
                                              "tokens_per_step": TOKENS, "backend": backend, "mix": MIX}, rows, DEVICE)
-    live.append(result)
     print(f"\n{backend}\n{format_table(result)}")
-'''),
-("code", r'''
-for result in live:
-    c = result["config"]
-    fig = plots.plot_result(result, phases=("forward", "step"), limit=f"{c['backend']} oracle",
-                            title=f"measured here: {c['backend']} | {c['model']} ({c['num_layers']} layers) | "
-                                  f"{c['tokens_per_step']} tokens/step | {PROFILE.name}")
+    fig = plots.plot_result(result, phases=("forward", "step"), limit=f"{backend} oracle",
+                            title=f"measured here: {backend} | {BENCH_MODEL} ({bench_model.config.num_hidden_layers} "
+                                  f"layers) | {TOKENS} tokens/step | {PROFILE.name}")
     display(fig); plt.close(fig)
 '''),
 ("md", r'''
@@ -380,109 +347,35 @@ for result in live:
 The full benchmark (`python -m fastsft_lab bench --only packed`, and `--set packed.sweep=true` for the regime map)
 writes one JSON per configuration. Every committed configuration, the newest measurement of each, with the run it
 comes from; a configuration whose naive variant failed in its newest run says so instead of a ratio.
-'''),
-("code", r'''
-def config_key(d):
-    c = d["config"]
-    return (c["model"], c["num_layers"], c["mix"], c["backend"], c["tokens_per_step"])
 
-def fmt(x, spec):
-    return "-" if x is None else format(x, spec)
-
-def timed_naive(d):       # runs with packed.naive=false time only cached, collated and oracle: listed further down
-    return any(v["name"].endswith(" naive") for v in d["variants"])
-
-gpu = sorted(results.newest_per_config([d for d in results.load_results("packed_metadata") if timed_naive(d)],
-                                       config_key), key=config_key)
-print(f"{len(gpu)} GPU configurations, the newest measurement of each, from:")
-for run in sorted({results.describe_run(d) for d in gpu}):
-    print("  ", run)
-print(f"\n{'model':11s} {'layers':>6s} {'mix':9s} {'backend':7s} {'tokens':>6s}   cached/naive: forward    step"
-      f"   cached/oracle step   run")
-for d in gpu:
-    s, failed = speedups(d), [v["name"] for v in d["variants"] if "error" in v]
-    if "cached_forward_speedup" in s:
-        ratios = f"{s['cached_forward_speedup']:20.3f}x {s['cached_step_speedup']:6.3f}x"
-    else:
-        ratios = f"{'no ratio, failed: ' + (failed[0].split()[-1] if failed else 'naive'):>28s}"
-    print(f"{config_key(d)[0]:11s} {config_key(d)[1]:6d} {config_key(d)[2]:9s} {config_key(d)[3]:7s} "
-          f"{config_key(d)[4]:6d} {ratios} {fmt(s.get('cached_vs_oracle_step'), '14.3f')}        {results.run_of(d)}")
-'''),
-("md", r'''
 The headline configuration, Qwen3-14B width at 8192 tokens of realistic lengths, from the newest run that measured
-all three backends there: every variant's step time, stock transformers included, then one chart per backend.
+all three backends there: every variant's step time, stock transformers included, then one chart per backend. Read each row against stock transformers first: at this width what
+beats stock is the kernel (varlen or flex against SDPA), far more than the cache. The table shows the newest
+measurement of each configuration; the headline comes from one session that ran all three backends, which can be an
+older one: where they differ (a configuration whose newest run failed), the table is the newest word, and the regime
+map below draws that point as missing. Last, what the committed runs say, computed from them.
 '''),
 ("code", r'''
-eight_k = [d for d in results.load_results("packed_metadata") if d["config"]["model"] == "qwen3-14b"
-           and d["config"]["tokens_per_step"] == 8192 and d["config"]["mix"] == "realistic" and timed_naive(d)]
-by_run = {}
-for d in eight_k:                       # newest first: keep the newest document per backend within each run
-    by_run.setdefault(results.run_of(d), {}).setdefault(d["config"]["backend"], d)
-run = next((r for r, docs in by_run.items() if {"sdpa", "varlen", "flex"} <= set(docs)), next(iter(by_run)))
-headline = [by_run[run][b] for b in ("sdpa", "varlen", "flex") if b in by_run[run]]
-print(f"Qwen3-14B width, {headline[0]['config']['num_layers']} layers, 8192 tokens/step, realistic lengths: "
-      f"{results.describe_run(headline[0])}")
-stock_ms = next((v["step_ms"]["median"] for d in headline for v in d["variants"]
-                 if v["name"] == "stock sdpa" and "step_ms" in v), None)
-for d in headline:
-    for v in d["variants"]:
-        if "step_ms" in v:
-            vs = f"   speed vs stock sdpa {stock_ms / v['step_ms']['median']:.2f}x" if stock_ms else ""
-            print(f"  {v['name']:24s} step {v['step_ms']['median']:7.1f} ms{vs}")
-        else:
-            print(f"  {v['name']:24s} failed: {v['error'][:90]}")
+from fastsft_lab.lab import report
+
+gpu = results.packed_configs()          # the newest measurement of each configuration that ran the naive path
+print(report.packed_configs_text(gpu))
+headline = results.packed_headline("qwen3-14b", tokens=8192, mix="realistic")
+print("\n" + report.packed_variants_text(headline))
 for d in headline:
     c = d["config"]
     fig = plots.plot_result(d, phases=("forward", "step"), limit=f"{c['backend']} oracle",
                             title=f"{c['backend']} | {c['model']} ({c['num_layers']} layers) | {c['tokens_per_step']} "
                                   f"tokens | {c['mix']} | {results.describe_run(d)}")
     display(fig); plt.close(fig)
+print("\n" + report.packed_findings_text(gpu))
 '''),
 ("md", r'''
 The regime map: the cached path's speed over the naive one against tokens per step, per model, backend and length
 mix, from the regime sweeps (`results.packed_regime()`: the newest measurement of each point, so sessions are never
 drawn on top of each other). A point whose newest run has no naive/cached ratio is drawn as missing: an older run's
 ratio never stands in for it.
-'''),
-("code", r'''
-regime = results.packed_regime()
-missing = [p for p in regime if not p.get("cached_forward_speedup")]
-runs = {results.run_of(d): results.describe_run(d)
-        for d in results.load_results(["packed_metadata_regime", "packed_metadata"])}
-for p in missing:
-    print(f"missing (its newest run has no ratio): {p['model']} x{p.get('num_layers')} {p['backend']} {p['mix']} "
-          f"{p['tokens_per_step']} tokens")
-print(f"{len(regime) - len(missing)} points with a ratio, from:")
-for run in sorted({p["_run"] for p in regime}):
-    print("  ", runs[run])
-fig = plots.plot_regime(regime)
-display(fig); plt.close(fig)
-'''),
-("code", r'''
-# What the committed runs say, computed from them (the configurations of the table above, runs listed there)
-measured = [(d, speedups(d)) for d in gpu]
-paired = [(d, s) for d, s in measured if "cached_vs_oracle_step" in s]
-near = [(d, s) for d, s in paired if abs(s["cached_vs_oracle_step"] - 1) <= 0.01]
-print(f"cached path within 1% of the oracle (step time): {len(near)} of {len(paired)} configurations; the others, "
-      f"with the oracle's own p20-p80 spread (a difference inside it is noise):")
-for d, s in paired:
-    if (d, s) not in near:
-        o = next(v["step_ms"] for v in d["variants"] if v["name"].endswith(" oracle"))
-        print(f"  {' '.join(map(str, config_key(d))):34s} cached/oracle {s['cached_vs_oracle_step']:.3f}   "
-              f"oracle spread +-{(o['p80'] - o['p20']) / 2 / o['median']:.1%}")
-gains = sorted(((s["cached_forward_speedup"], s["cached_step_speedup"], d) for d, s in measured
-                if "cached_forward_speedup" in s), key=lambda g: -g[0])
-print("\nlargest gains of the cache over the naive path (forward, step):")
-for fwd, step, d in gains[:4]:
-    print(f"  {' '.join(map(str, config_key(d))):34s} {fwd - 1:+7.1%} {step - 1:+7.1%}")
-print("smallest:")
-for fwd, step, d in gains[-3:]:
-    print(f"  {' '.join(map(str, config_key(d))):34s} {fwd - 1:+7.1%} {step - 1:+7.1%}")
-above = [d for fwd, _, d in gains if fwd >= 1.433]
-print(f"\nUnsloth's published +43.3% forward (Qwen3-14B QLoRA SFT) is reached in {len(above)} of {len(gains)} "
-      f"configurations: {', '.join(' '.join(map(str, config_key(d))) for d in above) or 'none'}")
-'''),
-("md", r'''
+
 ### Metadata built in the collator: the step pays nothing
 `PackedCollator(prebuild=...)` builds every table (flex's `BlockMask` tables included) in the DataLoader worker,
 pinned; the step only copies them. The packed benchmark times it as `<backend> cached (collated)` beside the cached
@@ -490,30 +383,21 @@ path and the oracle (metadata prebuilt outside the timed region), the newest run
 Target: within 0.5% of the oracle on every backend from 4k to 16k tokens.
 '''),
 ("code", r'''
-collated = sorted(results.newest_per_config(
-    [d for d in results.load_results("packed_metadata")
-     if any(v["name"].endswith("(collated)") and "step_ms" in v for v in d["variants"])], config_key),
-    key=lambda d: (config_key(d)[:3], d["config"]["backend"], d["config"]["tokens_per_step"]))
-print(f"{len(collated)} configurations, from:")
-for run in sorted({results.describe_run(d) for d in collated}):
-    print("  ", run)
-print(f"\n{'model':11s} {'layers':>6s} {'backend':7s} {'tokens':>6s}   cached/oracle   collated/oracle   oracle ms")
-for d in collated:
-    s = speedups(d)
-    o = next(v["step_ms"]["median"] for v in d["variants"] if v["name"].endswith(" oracle"))
-    print(f"{config_key(d)[0]:11s} {config_key(d)[1]:6d} {config_key(d)[3]:7s} {config_key(d)[4]:6d} "
-          f"{fmt(s.get('cached_vs_oracle_step'), '13.4f')} {fmt(s.get('collated_vs_oracle_step'), '17.4f')} {o:11.1f}")
-inside = [d for d in collated if abs(speedups(d).get("collated_vs_oracle_step", 9) - 1) <= 0.005]
-print(f"\ncollated within 0.5% of the oracle: {len(inside)} of {len(collated)} configurations")
-for model in sorted({config_key(d)[:2] for d in collated}):
-    fig = plots.plot_limit_gap([d for d in collated if config_key(d)[:2] == model])
+regime = results.packed_regime()
+print(report.packed_regime_text(regime))
+fig = plots.plot_regime(regime)
+display(fig); plt.close(fig)
+collated = results.packed_configs(collated=True)
+print("\n" + report.packed_collated_text(collated))
+for model in sorted({results.packed_key(d)[:2] for d in collated}):
+    fig = plots.plot_limit_gap([d for d in collated if results.packed_key(d)[:2] == model])
     if fig is not None:
         display(fig); plt.close(fig)
 '''),
 ("md", r'''
 ### What the H200 runs say
 - **The limit is reached**: wherever a step is long enough to measure reliably, the cached path runs as fast as the
-  oracle (metadata prebuilt outside the timed region); the exceptions the cell above lists are short, host-bound
+  oracle (metadata prebuilt outside the timed region); the exceptions the first H200 cell lists are short, host-bound
   steps whose own spread is as large as the difference.
 - **The gain is a regime result.** Many short sequences, thin layers (Qwen3-0.6B) and the SDPA dense mask make it
   large — there Unsloth's published forward gain is reproduced and exceeded; long rows and kernels that take
@@ -547,13 +431,18 @@ Tables and session notes: `benchmarks/results/h200-*/RESULTS.md` and `README.md`
   SDPA/flex. The gain is largest with many short sequences, thin layers (small models) and SDPA.
 '''),
 ("md", r'''
-## Summary and further reading
+## Summary, next bottleneck and further reading
 - Build packed-attention metadata **once per batch, on the host**; pass it to the layers as an attention kwarg;
   never derive it from device tensors inside a layer.
 - Stock transformers 5.17 keeps packed Qwen3 rows apart only without a 2-D mask, and never keeps packed GPT-OSS rows
   apart with eager/flex attention; `fastsft_lab.packing` backends do, including GPT-OSS sinks and sliding windows.
 - Proofs: `tests/test_packed.py` (every backend vs each sequence alone, logits and LoRA gradients; naive == cached;
   hypothesis over random lengths; sync counts; TRL `SFTTrainer` losses equal to the plain path).
+
+**Next bottleneck.** With the metadata built once, the attention layers pay no sync, and what the step spends is
+the kernels themselves: pick the one that takes `cu_seqlens` (varlen, flex) over SDPA's dense mask. Past attention,
+the checkpointed step still holds one layer input per layer in GPU memory, and offloading those to the host must
+not cost time: notebook 02.
 
 Further reading: transformers' attention interface (`AttentionInterface`, `masking_utils.py`,
 `modeling_flash_attention_utils.py`); FlashAttention-2 varlen API (Dao, 2023); *FlexAttention* (PyTorch blog, 2024);

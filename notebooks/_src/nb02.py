@@ -24,7 +24,7 @@ no streams and every copy is synchronous, so CPU timelines show *what* runs, not
 numbers of the H200 runs (Qwen3-14B width, NF4 + LoRA r=16) are read from the committed results
 (`fastsft_lab.lab.results`: a clone's `benchmarks/results/`, or the copy packaged with the library on Colab). With
 a GPU the notebook builds Qwen3-14B (10 of its layers at real width, random weights) when it fits, else Qwen3-0.6B;
-the parameters cell says which, and the cell after it prints the peak memory the committed H200 runs of those
+the parameters cell says which, and prints the peak memory the committed H200 runs of those
 configurations measured (the equivalence check's run without checkpointing is the largest). On a GPU that shares
 its memory with the host (unified memory), offloading moves nothing, so the timing cells are skipped there.
 
@@ -37,6 +37,8 @@ before layer k's backward is done with the buffer:
 compute  | bwd L9 |        | bwd L8 |        | bwd L7 |
 copy     |        | h2d L8 |        | h2d L7 |            <- every reload is exposed
 ```
+(Not to scale: at Qwen3-14B width on the H200 a reload takes a few percent of a layer's backward; the schedule cell
+below prints the measured durations, and the timelines draw them to scale.)
 '''),
 ("colab", ""),                # the shared Colab install cell (build.py)
 ("code", r'''
@@ -61,7 +63,7 @@ print(describe())
 ("md", r'''
 ## Parameters
 Everything below is derived from these. In smoke mode the sizes are tiny; on a GPU they are the largest real ones
-that fit.
+that fit. The cell also prints the peak memory the committed H200 runs of these configurations measured.
 '''),
 ("code", r'''
 # GiB each GPU choice needs: the committed H200 peaks of these configurations (next cell) plus headroom; the
@@ -94,25 +96,14 @@ if not TIME_OFFLOAD:
           "the timing cells are skipped (the correctness checks still run)")
 print(dict(MODEL=MODEL, NUM_LAYERS=NUM_LAYERS, QUANT=QUANT, TOKENS=TOKENS, EQ_TOKENS=EQ_TOKENS, DEVICE=DEVICE,
            DTYPE=str(DTYPE)))
-'''),
-("code", r'''
-# What these configurations took on the H200 (peak_mem_bytes of the committed runs)
-def h200_peak(scenario, variant=None, **config):
-    """(peak GiB of `variant`, or of the largest variant, its document) in the newest committed GPU run that matches."""
-    docs = [d for d in results.load_results(scenario) if all(d["config"].get(k) == v for k, v in config.items())]
-    if not docs:
-        return None, None
-    peaks = [v.get("peak_mem_bytes") or 0 for v in docs[0]["variants"] if variant in (None, v["name"])]
-    return (max(peaks) / 2**30 if peaks else None), docs[0]
-
+# what these configurations took on the H200 (peak memory of the newest committed run of each)
 for what, (peak, doc) in [
-        ("qwen3-14b x10, 16384 tokens, standard checkpointing",
-         h200_peak("offload", "checkpointing (standard)", model="qwen3-14b", num_layers=10, tokens_per_step=16384)),
-        ("qwen3-14b x10, 8192 tokens, no checkpointing",
-         h200_peak("offload", "no checkpointing", model="qwen3-14b", num_layers=10, tokens_per_step=8192)),
-        ("qwen3-0.6b x28, 4096 tokens, standard checkpointing",
-         h200_peak("packed_metadata", model="qwen3-0.6b", num_layers=28, tokens_per_step=4096, mix="realistic",
-                   backend="sdpa"))]:
+        ("qwen3-14b x10, 16384 tokens, standard checkpointing", results.newest_peak_gib(
+            "offload", variant="checkpointing (standard)", model="qwen3-14b", num_layers=10, tokens_per_step=16384)),
+        ("qwen3-14b x10, 8192 tokens, no checkpointing", results.newest_peak_gib(
+            "offload", variant="no checkpointing", model="qwen3-14b", num_layers=10, tokens_per_step=8192)),
+        ("qwen3-0.6b x28, 4096 tokens, standard checkpointing", results.newest_peak_gib(
+            "packed_metadata", model="qwen3-0.6b", num_layers=28, tokens_per_step=4096, mix="realistic", backend="sdpa"))]:
     print(f"{what:52s} " + (f"{peak:5.1f} GiB on the H200  [{results.describe_run(doc)}]" if peak else "not measured"))
 for name, c in CHOICES.items():
     print(f"{name} x{c['layers']}, {c['tokens']} tokens (equivalence check at {c['eq_tokens']}): needs {c['gib']} GiB here")
@@ -126,16 +117,12 @@ it. With one buffer that is layer k+1, the layer just before it in the backward;
 The durations are the per-layer means of the committed H200 timeline.
 '''),
 ("code", r'''
-from fastsft_lab.lab.timelines import simulate_schedule, copy_overlap, span_ms
+from fastsft_lab.lab.timelines import simulate_schedule, copy_overlap, span_ms, per_layer_means
 
 gpu = results.offload_results()      # the newest committed GPU run of each kind (offload, timeline, sweep, vram)
-def per_layer(doc, name, kind):
-    ev = [e for e in doc["timelines"][name] if e["kind"] == kind]
-    return sum(e["end_ms"] - e["start_ms"] for e in ev) / max(1, len(ev))
-
 doc = gpu["timeline"][-1]
-name = "offload x1 (single buffer)"
-fwd, bwd, copy = (per_layer(doc, name, k) for k in ("fwd", "bwd", "h2d"))
+means = per_layer_means(doc["timelines"]["offload x1 (single buffer)"])
+fwd, bwd, copy = means["fwd"], means["bwd"], means["h2d"]
 print(f"per-layer means measured with one buffer at {doc['config']['tokens_per_step']} tokens: forward {fwd:.1f} ms, "
       f"backward {bwd:.1f} ms, reload {copy:.1f} ms  [{results.describe_run(doc)}]")
 model_one = simulate_schedule(8, fwd_ms=fwd, bwd_ms=bwd, copy_ms=copy, buffers=1)
@@ -152,7 +139,9 @@ The model: QLoRA on the real architecture on a GPU (random weights: speed does n
 tiny Qwen3 in float32 in smoke mode. Batches are packed rows from the synthetic corpus (see notebook 00).
 `enable_offloaded_checkpointing(model, buffers=1, prefetch=False)` turns on the single-buffer "before": it plugs
 into transformers' own hook (`GradientCheckpointingLayer._gradient_checkpointing_func`), so PEFT wrappers and every
-layer kwarg (rotary cos/sin, masks, notebook 01's `packed_metadata`) pass through untouched.
+layer kwarg (rotary cos/sin, masks, notebook 01's `packed_metadata`) pass through untouched. The cell builds the
+model, traces one step with one staging buffer after a warm-up step (the first step allocates the pinned pool, and
+would draw that instead), then draws the committed H200 trace of the same configuration.
 '''),
 ("code", r'''
 from fastsft_lab.models import build_model, LoraSettings
@@ -168,8 +157,7 @@ batches = [b.to(DEVICE) for b in benchmark_batches(tokens_per_step=TOKENS, row_t
 print(f"{MODEL}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, built in {time.time() - t:.1f}s; "
       f"one layer input = {TOKENS} x {cfg.hidden_size} x {torch.finfo(DTYPE).bits // 8} bytes "
       f"= {TOKENS * cfg.hidden_size * torch.finfo(DTYPE).bits // 8 / 2**20:.1f} MiB")
-'''),
-("code", r'''
+
 from fastsft_lab.lab.scenarios.offload import make_variants, trace_step
 
 variants, _ = make_variants(model, ["offload1", "offload2p"])
@@ -177,17 +165,17 @@ single, double = variants
 where = "CUDA events on the copy and compute streams" if DEVICE == "cuda" else \
         "CPU: no streams, every copy runs inline (nothing CAN overlap here)"
 if TIME_OFFLOAD:
-    trace_single = trace_step(model, batches[0], single)     # one extra step, copy/compute intervals recorded
-    fig = plots.plot_timelines({"one staging buffer (measured here)": trace_single}, suptitle=where)
+    trace_step(model, batches[0], single)                     # warm-up: the first step allocates the pinned pool
+    trace_single = trace_step(model, batches[0], single)     # a warm step, copy/compute intervals recorded
+    fig = plots.plot_timelines({"one staging buffer (measured here, warm step)": trace_single}, suptitle=where)
     display(fig); plt.close(fig)
     ov = copy_overlap(trace_single)
     print(f"reload copies {ov['h2d_ms']:.3f} ms, hidden behind compute: {ov['h2d_hidden_share'] or 0:.0%}"
           + (f", compute waited {ov['reload_stall_ms']:.2f} ms for them" if DEVICE == "cuda" else ""))
 else:
     print("unified memory: no timeline measured here (an offload copy moves nothing on this GPU)")
-'''),
-("code", r'''
-# The same picture from the H200 run (committed, not re-run here)
+
+# the same picture from the H200 run (committed, not re-run here)
 doc = gpu["timeline"][-1]
 c = doc["config"]
 fig = plots.plot_timelines({"one staging buffer": doc["timelines"]["offload x1 (single buffer)"]},
@@ -221,7 +209,7 @@ print(f"one buffer: reloads hidden behind compute {ov['h2d_hidden_share']:.0%}, 
 
 ```
 compute  | bwd L9 | bwd L8 | bwd L7 |
-copy     | h2d L8 | h2d L7 | h2d L6 |                    <- hidden behind compute
+copy     | h2d L8 | h2d L7 | h2d L6 |                    <- hidden behind compute (not to scale)
 ```
 
 ```python
@@ -237,20 +225,11 @@ run with no checkpointing at all — the reference that nothing here touches. Lo
 their gradients even though that layer's input does not require grad (torch's reentrant checkpoint would silently
 drop them).
 
-**What the first H200 run showed.** Executed on an H200 at real size (Qwen3-14B width, 10 layers, NF4 + LoRA r16,
-one packed row, bf16), an earlier version of this check printed *standard == no checkpointing: True* but *False*
-for every offload mode, the single buffer included, while the tiny CUDA tests passed on the same machine
-([that GPU-executed copy of this notebook](https://github.com/fastsft-lab/fastsft_lab/blob/main/benchmarks/results/h200-2026-12-02/notebooks/02_double_buffered_offload.h200.ipynb)).
-The cause, found by reading the code against CUDA's stream rules: the staging buffers were allocated on the
-**compute** stream but first written by the **copy** stream. The caching allocator only orders a block's reuse for
-the stream it is allocated on, so the first reload of a step could overwrite memory whose previous users — the loss
-and LM-head backward, still queued on the GPU when the CPU reaches the last layer's backward — had not run yet. With
-microsecond kernels the GPU has finished them by then, so only real sizes showed it. The buffers are now allocated
-on the copy stream. A second, possible contributor was changed too: the offloaded forward ran under `no_grad`, where
-SDPA may pick another backend than the standard forward does; it now runs with grad mode on (`check_transport`
-below tells, on a GPU, whether the forward bits and the reloaded bits match). The next H200 session re-ran the
-check after these fixes and every mode matched, within bf16 noise of standard checkpointing
-(`benchmarks/results/h200-2026-12-02b/README.md`); on a GPU, the cells below run that same check on this machine.
+**What the first H200 run showed.** At real size an earlier version of this check failed for every offload mode
+while the tiny CUDA tests passed: the staging buffers were allocated on the compute stream but first written by the
+copy stream, so the allocator could hand a reload memory whose previous users were still queued (hence the bullet
+above). After the fix every mode matched within bf16 noise. The history, with both runs:
+`benchmarks/results/h200-2026-12-02/README.md` and `benchmarks/results/h200-2026-12-02b/README.md`.
 '''),
 ("md", r'''
 **The ordering, checked on any machine.** Every stream operation the manager issues (waits, event records, copies,
@@ -296,7 +275,8 @@ The same check on this notebook's model (real size on a GPU: bf16, so within bf1
 tensor), with the worst tensor of every comparison: its max |diff|, its scale, what it is allowed. On a GPU it also
 checks the two halves of the offload separately: the offloaded forward against a plain forward, and every reloaded
 input, bit for bit, against a device copy taken in forward (`check_transport`). Not compared by nbval: the numbers
-depend on the machine.
+depend on the machine. Then eight steps check that nothing leaks: the pinned pool stops growing after the first
+step and the registry of offloaded inputs is empty after every backward (the cell stops with an error otherwise).
 '''),
 ("code", r'''
 eq_batch = benchmark_batches(tokens_per_step=EQ_TOKENS, row_tokens=min(ROW_TOKENS, EQ_TOKENS), steps=1,
@@ -309,24 +289,21 @@ if DEVICE == "cuda":
         print(f"{mode:22s} reloads bitwise intact: {r['transport_ok']} ({r['checked']} checks); offloaded forward "
               f"== plain forward bitwise: {r['forward_inputs_bitwise_equal']} (max |diff| "
               f"{r['forward_inputs_max_abs_diff']:.3g})")
-'''),
-("code", r'''
-# NBVAL_CHECK_OUTPUT
+
 leak = check_no_leak(model, batches[0].model_inputs(), steps=8)
-print("pinned pool flat after step 1:", leak["pool_flat_after_step_1"])
-print("registry empty after every backward:", leak["registry_empty_after_each_backward"])
-'''),
-("code", r'''
-# (not compared by nbval: GPU only)
-print("GPU allocated memory flat over the steps:", leak["gpu_allocated_flat"] if DEVICE == "cuda" else "n/a on a CPU")
+print("\nno leak over 8 steps: pinned pool flat after step 1:", leak["pool_flat_after_step_1"],
+      "| registry empty after every backward:", leak["registry_empty_after_each_backward"],
+      "| GPU allocated memory flat:", leak["gpu_allocated_flat"] if DEVICE == "cuda" else "n/a on a CPU")
 print(f"pool: {leak['pool_allocations']} host allocations, {leak['pool_bytes'] / 2**20:.2f} MiB; "
-      f"staging buffers: {[round(b / 2**20, 2) for b in leak['staging_bytes']]} MiB")
+      f"staging buffers: {', '.join(f'{b / 2**20:.2f}' for b in leak['staging_bytes'])} MiB")
+assert leak["pool_flat_after_step_1"] and leak["registry_empty_after_each_backward"], "the offload leaks"
 '''),
 ("md", r'''
 ## The fix, measured
 The harness interleaves the variants step by step on the same batches (median and p20–p80 per phase); standard
-checkpointing is the 1.00x baseline. On a CPU all copies are synchronous, so this table only shows that the
-machinery costs little — the overlap is a GPU result (below).
+checkpointing is the 1.00x baseline. Then one warm step of each buffer mode as a timeline. On a CPU all copies are
+synchronous, so the table only shows that the machinery costs little, and the timelines what runs, not overlap:
+the overlap is a GPU result (below).
 '''),
 ("code", r'''
 from fastsft_lab.lab.harness import run_variants, make_result, format_table
@@ -342,9 +319,8 @@ if TIME_OFFLOAD:
     display(fig); plt.close(fig)
 else:
     print("unified memory: the offload modes are not timed here (an offload copy moves nothing on this GPU)")
-'''),
-("code", r'''
 if TIME_OFFLOAD:
+    trace_step(model, batches[0], double)                     # warm-up, as for the single buffer above
     trace_double = trace_step(model, batches[0], double)
     fig = plots.plot_timelines({"one staging buffer (measured here)": trace_single,
                                 "two buffers + prefetch (measured here)": trace_double}, suptitle=where)
@@ -359,38 +335,29 @@ if TIME_OFFLOAD:
 '''),
 ("md", r'''
 ### On the H200 (committed results)
-The same two timelines, then every variant at every token count of the newest committed offload run (one document
-per token count: the one with the most variants), with the figures the benchmark derives from them.
+The same two timelines (warm steps), then every variant at every token count of the newest committed offload run
+(`results.offload_results` keeps one document per token count: the one with the most variants), with the figures
+the benchmark derives from them and the targets of the issue. In the table each cell is the step time, the speed
+over standard checkpointing ("x", higher is faster) and the peak memory; "-" where the run did not measure it.
 '''),
 ("code", r'''
+from fastsft_lab.lab import report
+from fastsft_lab.lab.scenarios.offload import results_table
+
 doc = gpu["timeline"][-1]
 c = doc["config"]
 tl = {k: doc["timelines"][k] for k in ("offload x1 (single buffer)", "offload x2 + prefetch") if k in doc["timelines"]}
 fig = plots.plot_timelines(tl, suptitle=f"H200: {c['model']} x{c['num_layers']} layers, {c['tokens_per_step']} tokens "
-                                        f"(CUDA events)")
+                                        f"(CUDA events, warm steps)")
 display(fig); plt.close(fig)
-print(f"[{results.describe_run(doc)}]")
-for k, ov in doc["overlap"].items():
-    print(f"{k:28s} copies hidden behind compute: {ov['hidden_share']:.0%} "
-          f"(reloads {ov['h2d_hidden_share']:.0%}), compute waited {ov['reload_stall_ms']:.1f} ms for reloads")
-'''),
-("code", r'''
-from fastsft_lab.lab.scenarios.offload import results_table
-
-by_tokens = {}
-for d in gpu["offload"]:          # the newest run may hold one token count twice: keep the fuller document
-    t = d["config"]["tokens_per_step"]
-    if t not in by_tokens or len(d["variants"]) > len(by_tokens[t]["variants"]):
-        by_tokens[t] = d
-offload_docs = [by_tokens[t] for t in sorted(by_tokens)]
-print(f"{offload_docs[0]['config']['model']} x{offload_docs[0]['config']['num_layers']} layers  "
-      f"[{results.describe_run(offload_docs[0])}]; files: {', '.join(d['_path'] for d in offload_docs)}")
-print("(each cell: step time, its ratio to standard checkpointing's step time — lower is faster —, peak memory)")
+print(report.offload_overlap_text(doc))
+offload_docs = gpu["offload"]
+print(f"\n{offload_docs[0]['config']['model']} x{offload_docs[0]['config']['num_layers']} layers  "
+      f"[{results.describe_run(offload_docs[0])}]")
 print(results_table(offload_docs))
 fig = plots.plot_across_tokens(offload_docs)
 display(fig); plt.close(fig)
-for d in offload_docs:
-    print(d["config"]["tokens_per_step"], "tokens:", d.get("derived"))
+print("\n".join(report.offload_derived_text(d) for d in offload_docs))
 '''),
 ("md", r'''
 ## What it costs
@@ -420,55 +387,34 @@ for tokens in (8192, 16384, 32768):   # analytic: Qwen3-14B, all 40 layers
     print(f"Qwen3-14B, 40 layers, {tokens:5d} tokens: checkpointing keeps {est['checkpoint_inputs_bytes'] / 1e9:5.2f} GB "
           f"of layer inputs; offload x2 keeps {est['offload2_staging_bytes'] / 1e9:.2f} GB of staging -> "
           f"saves {est['net_saved_bytes'] / 1e9:5.2f} GB")
-for r in gpu["vram"]:
-    print(f"measured at full depth on the H200, {r['config']['num_layers']} layers, {r['config']['tokens_per_step']} "
-          f"tokens:", {v["name"]: f"{(v.get('peak_mem_bytes') or 0) / 2**30:.2f} GiB" for v in r["variants"]},
-          f"peak  [{results.describe_run(r)}]")
+print(report.offload_vram_text(gpu["vram"]))
 '''),
 ("md", r'''
 ### Where does the second buffer matter?
 The regime sweep of the H200 run (several widths and row lengths, a few layers each): the gain of two buffers +
 prefetch over one buffer against the measured ratio of reload time to layer backward time, with the schedule
 model's curve for comparison.
+
+**Beyond this GPU: slower links.** The published +6.7% came from a B200, whose pinned host link is no faster than
+this H200's; what decides the double buffer's worth is the copy time per layer against the layer's compute. The
+`offload_link` scenario runs the same step behind emulated slower links (every offload copy padded with dummy bytes
+over the same link, so it takes as long as it would at the target bandwidth, using no SM) and checks the timeline
+model against every point: the second chart.
 '''),
 ("code", r'''
-sweep = gpu["sweep"][0]
-print(f"[{results.describe_run(sweep)}]")
-for p in sweep["points"]:
-    print({k: p.get(k) for k in ("preset", "hidden_size", "tokens", "copy_to_backward_ratio", "gain_x2p_vs_x1",
-                                 "gain_x2p_vs_x1_serial")})
-fig = plots.plot_sweep(sweep)
-display(fig); plt.close(fig)
-'''),
-("md", r'''
-### Beyond this GPU: slower links
-The published +6.7% came from a B200, whose pinned host link is no faster than this H200's; what decides the
-double buffer's worth is the copy time per layer against the layer's compute. The `offload_link` scenario runs the
-same step behind emulated slower links (every offload copy padded with dummy bytes over the same link, so it takes
-as long as it would at the target bandwidth, using no SM) and checks the timeline model against every point.
-'''),
-("code", r'''
-link_docs = results.load_results("offload_link", newest_run=True)
-if not link_docs:
-    print("No committed GPU run of the offload_link scenario (bench --only offload_link on the GPU machine).")
-else:
-    link = link_docs[0]
-    print(f"[{results.describe_run(link)}; {link['config']['model']} x{link['config']['num_layers']}, "
-          f"{link['config']['tokens_per_step']} tokens]")
-    for p in link["points"]:
-        print(f"  link {p['measured_gbps']:5.1f} GB/s  copy/backward {p['copy_to_backward_ratio']:.3f}  "
-              f"x1 {100 * (p['offload1_ms'] / p['plain_ms'] - 1):+5.1f}%  x2+prefetch "
-              f"{100 * (p['offload2p_ms'] / p['plain_ms'] - 1):+5.1f}% vs plain  gain x2 over x1 "
-              f"{100 * p['gain_x2_vs_x1']:+5.1f}% (model {100 * p['model_gain_x2_vs_x1']:+5.1f}%)")
-    der = link["derived"]
-    print(f"the published +6.7% begins near {der['published_gain_regime_begins_gbps']:.1f} GB/s; x2 + prefetch "
-          f"stays within 3% of plain checkpointing down to {der['x2_stops_paying_gbps']:.1f} GB/s, x1 down to "
-          f"{der['x1_stops_paying_gbps']:.1f} GB/s")
+sweep = gpu["sweep"][0] if gpu["sweep"] else None
+print(report.offload_sweep_text(sweep))
+if sweep is not None:
+    fig = plots.plot_sweep(sweep)
+    display(fig); plt.close(fig)
+link = next(iter(results.load_results("offload_link", newest_run=True)), None)
+print("\n" + report.offload_link_text(link))
+if link is not None:
     fig = plots.plot_offload_link(link)
     display(fig); plt.close(fig)
 '''),
 ("md", r'''
-## Summary and further reading
+## Summary, next bottleneck and further reading
 - Offloaded checkpointing keeps no activations on the GPU between a layer's forward and backward; the layer input
   goes to a reused pinned pool on a copy stream and comes back into a staging buffer.
 - With one staging buffer, reloads and backward compute take turns; with two buffers (slot = parity, free/ready
@@ -480,6 +426,10 @@ else:
   back: `disable_offloaded_checkpointing(model)`.
 - Stream ordering is easy to get subtly wrong and only shows at real sizes: log the operations and check them
   (`check_stream_order`), and verify the reloaded bits on the GPU (`check_transport`).
+
+**Next bottleneck.** With the reloads hidden, an offloaded step costs about what standard checkpointing costs, so
+what is left is checkpointing's own price: every layer's forward runs twice. In a mixture-of-experts model the
+next glue cost sits inside the layer: the per-expert loop of notebook 03.
 
 Further reading: PyTorch's [pinned memory and non_blocking tutorial](https://pytorch.org/tutorials/intermediate/pinmem_nonblock.html),
 `torch.autograd.graph.save_on_cpu`, torchtune's `OffloadActivations`, transformers'

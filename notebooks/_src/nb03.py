@@ -55,7 +55,8 @@ print(describe())
 '''),
 ("md", r'''
 ## Parameters
-Everything below is derived from these.
+Everything below is derived from these. The cell also prints what each GPU choice needs: the peak the committed H200
+run of the larger one measured, the weights and logits of the smaller one.
 '''),
 ("code", r'''
 # GiB each GPU choice needs: the committed H200 peak of the 4-layer training step (next cell) plus headroom; the
@@ -82,18 +83,12 @@ if DEVICE == "cpu":
 print(PROFILE.describe())
 print(why)
 print(dict(PRESET=PRESET, NUM_LAYERS=NUM_LAYERS, TOKENS=TOKENS, ROW_TOKENS=ROW_TOKENS, DEVICE=DEVICE, DTYPE=str(DTYPE)))
-'''),
-("code", r'''
-# What the GPU choices need: the committed H200 peaks of the 4-layer configuration, and the 1-layer one's sizes
+# what the GPU choices need: the committed H200 peaks of the 4-layer configuration, and the 1-layer one's sizes
 from fastsft_lab.models import count_parameters
-
 for mode in ("train", "forward"):
-    docs = [d for d in results.load_results("moe-routing") if d["config"]["model"] == "gpt-oss-20b"
-            and d["config"]["num_layers"] == 4 and d["config"]["tokens_per_step"] == 8192 and d["config"]["mode"] == mode]
-    if docs:
-        peak = max(v.get("peak_mem_bytes") or 0 for v in docs[0]["variants"]) / 2**30
-        print(f"gpt-oss-20b, 4 layers, 8192 tokens, {mode:7s} step: {peak:5.1f} GiB peak on the H200  "
-              f"[{results.describe_run(docs[0])}]")
+    peak, doc = results.newest_peak_gib("moe-routing", model="gpt-oss-20b", num_layers=4, tokens_per_step=8192, mode=mode)
+    print(f"gpt-oss-20b, 4 layers, 8192 tokens, {mode:7s} step: "
+          + (f"{peak:5.1f} GiB peak on the H200  [{results.describe_run(doc)}]" if doc else "not committed"))
 weights = count_parameters("gpt-oss-20b", num_layers=1) * 2 / 2**30          # bf16/fp16, counted on the meta device
 logits = 2048 * 201088 * (2 + 4 + 4) / 2**30                                  # logits, their fp32 upcast and its grad
 print(f"gpt-oss-20b, 1 layer, 2048 tokens: weights {weights:.1f} GiB + logits {logits:.1f} GiB (+ activations); "
@@ -116,7 +111,8 @@ print("\n".join(src[1:21]))
 ("md", r'''
 We build the model (LoRA r=16 on the attention projections; GPT-OSS attention in stock transformers is `eager`),
 pack a batch, and count host syncs per decoder layer with `SyncCounter` — it counts the operations that would sync
-on a GPU, on a CPU too. `routing_stats` tells how many experts each layer's router actually used.
+on a GPU, on a CPU too. `routing_stats` tells how many experts each layer's router actually used. The cell then
+checks what the table shows, and stops with an error where a count does not hold.
 '''),
 ("code", r'''
 from fastsft_lab.models import build_model, LoraSettings
@@ -143,13 +139,13 @@ for mode in moe.MODES:
 print(f"{'layer':>5} {'experts hit':>11} {'naive':>6} {'grouped':>8} {'sync_free':>9}   host syncs per layer, one forward")
 for i, hit in enumerate(stats["experts_hit"]):
     print(f"{i:5d} {hit:11d} {syncs['naive'][i]:6d} {syncs['grouped'][i]:8d} {syncs['sync_free'][i]:9d}")
-'''),
-("code", r'''
-# NBVAL_CHECK_OUTPUT
 hits = stats["experts_hit"]
-print("naive: at least one host sync per hit expert in every layer:", all(s >= h for s, h in zip(syncs["naive"], hits)))
-print("grouped: exactly one host sync per MoE layer:", syncs["grouped"] == [1] * len(hits))
-print("sync_free: no host sync at all:", sum(syncs["sync_free"]) == 0)
+claims = {"naive: at least one host sync per hit expert in every layer": all(s >= h for s, h in zip(syncs["naive"], hits)),
+          "grouped: exactly one host sync per MoE layer": syncs["grouped"] == [1] * len(hits),
+          "sync_free: no host sync at all": sum(syncs["sync_free"]) == 0}
+for claim, holds in claims.items():
+    print(f"{claim}: {holds}")
+assert all(claims.values()), "a sync count above does not hold"
 '''),
 ("md", r'''
 ### What a sync looks like on a timeline
@@ -182,7 +178,7 @@ display(fig); plt.close(fig)
 Flatten the (token, slot) expert ids, sort them (stable, so each expert's tokens stay in order), and find where each
 expert's run of rows ends with a binary search on the sorted ids (`searchsorted`). Those end offsets are the
 cumulative per-expert counts; expert *e*'s rows are `sorted[offsets[e-1]:offsets[e]]`. A worked example: 6 tokens,
-top-2, 4 experts (expert 2 gets nothing).
+top-2, 4 experts (expert 2 gets nothing), printed and drawn.
 
 Why not `bincount` + `cumsum`, as the published fix does? `torch.bincount` on CUDA reads the largest id back to size
 its output — a sync, even with `minlength`; `searchsorted` on the sorted ids gives the offsets directly, on the device.
@@ -198,31 +194,7 @@ print("perm (flat position of each sorted row):", perm.tolist())
 print("token of each sorted row (perm // 2):   ", (perm // 2).tolist())
 print("tokens per expert:                      ", counts.tolist())
 print("end offsets (searchsorted, = cumsum):   ", ends.tolist())
-'''),
-("code", r'''
-# This notebook's own picture of the worked example above (not a lab chart: it draws these exact tensors)
-colors = plt.cm.tab10.colors
-fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4), gridspec_kw={"width_ratios": [1, 2.2]})
-for t in range(idx_ex.shape[0]):
-    for j in range(idx_ex.shape[1]):
-        e = int(idx_ex[t, j])
-        a.add_patch(plt.Rectangle((j, 5 - t), 0.95, 0.95, color=colors[e]))
-        a.text(j + 0.47, 5 - t + 0.47, f"E{e}", ha="center", va="center", color="white", fontsize=9)
-a.set_xlim(0, 2); a.set_ylim(0, 6); a.set_xticks([0.5, 1.5]); a.set_xticklabels(["slot 0", "slot 1"])
-a.set_yticks([5.5 - t for t in range(6)]); a.set_yticklabels([f"token {t}" for t in range(6)])
-a.set_title("router output: top-2 experts per token", fontsize=9)
-for r, (e, p) in enumerate(zip(sorted_ids.tolist(), perm.tolist())):
-    b.add_patch(plt.Rectangle((r, 0), 0.95, 1, color=colors[e]))
-    b.text(r + 0.47, 0.5, f"t{p // 2}", ha="center", va="center", color="white", fontsize=9)
-ends_list = ends.tolist()
-for e, end in enumerate(ends_list):
-    b.axvline(end - 0.025, color="black", lw=1.2)
-    level = ends_list[:e].count(end)  # an empty expert shares its end with the previous one: stack the labels
-    b.text(end - 0.05, 1.06 + 0.12 * level, f"offs[{e}]={end}" + (f" (E{e} empty)" if level else ""), ha="right", fontsize=8)
-b.set_xlim(-0.2, len(perm) + 0.2); b.set_ylim(0, 1.42); b.set_yticks([])
-b.set_xlabel("sorted rows: each expert's tokens are one contiguous slice (expert 2: empty)")
-b.set_title("after one sort: tokens grouped by expert", fontsize=9)
-fig.tight_layout()
+fig = plots.plot_expert_grouping(idx_ex, sorted_ids, perm, ends)
 display(fig); plt.close(fig)
 '''),
 ("md", r'''
@@ -250,7 +222,8 @@ set_moe_routing(model, "sync_free")   # or "grouped", "naive"; None / "off" rest
 ## Correct before fast
 A tiny GPT-OSS and a tiny Qwen3-MoE in float32 on the CPU (on any machine, so the answer is the same everywhere):
 logits and every gradient (LoRA adapters on attention and on the expert weights through PEFT, or a full fine-tune
-with router gradients) of each mode against the untouched stock `eager` experts. The test suite
+with router gradients) of each mode against the untouched stock `eager` experts. "Equal" means bit-identical for
+`naive` and within 5e-5 (relative) for the others; the cell stops with an error where one is not. The test suite
 (`tests/test_moe.py`) adds hypothesis-random shapes and routings, zero-token experts and top-k up to all experts.
 '''),
 ("code", r'''
@@ -283,12 +256,9 @@ for preset, lora in [("tiny-gpt-oss", LoraSettings(rank=4, target_modules=["q_pr
         checks[(label, mode)] = d < 5e-5 if mode != "naive" else (torch.equal(logits, ref_logits)
                                                                 and all(torch.equal(grads[n], ref_grads[n]) for n in ref_grads))
 for (label, mode), d in diffs.items():
-    print(f"{label:32s} {mode:9s} max relative diff vs stock eager (logits and all grads): {d:.1e}")
-'''),
-("code", r'''
-# NBVAL_CHECK_OUTPUT
-for (label, mode), ok in checks.items():
-    print(f"{label:32s} {mode:9s} equal to stock eager: {ok}")
+    print(f"{label:32s} {mode:9s} max relative diff vs stock eager (logits and all grads): {d:.1e}  "
+          f"equal: {checks[(label, mode)]}")
+assert all(checks.values()), f"not equal to stock eager: {[k for k, ok in checks.items() if not ok]}"
 '''),
 ("md", r'''
 `naive` is bit-identical (it *is* the stock loop, registered under our name so both can be measured); `grouped` and
@@ -311,10 +281,7 @@ for mode in ("forward", "train"):
     live[mode] = make_result("moe-routing", {"model": PRESET, "num_layers": info.num_layers, "tokens_per_step": TOKENS,
                                              "mode": mode, "routing": stats}, rows, DEVICE)
     print(f"--- {mode} ({TOKENS} tokens per step)\n" + format_table(live[mode]) + "\n")
-'''),
-("code", r'''
-for mode, res in live.items():
-    fig = plots.plot_result(res, phases=("forward",) if mode == "forward" else ("forward", "step"),
+    fig = plots.plot_result(live[mode], phases=("forward",) if mode == "forward" else ("forward", "step"),
                             title=f"measured here: {PRESET} x{info.num_layers} layers, {mode} step, {TOKENS} tokens, "
                                   f"{PROFILE.name}")
     display(fig); plt.close(fig)
@@ -330,65 +297,34 @@ display(fig); plt.close(fig)
 ### On the H200 (committed results)
 `python -m fastsft_lab bench --only moe` on a GPU writes one JSON and one chart per configuration; the committed
 ones are read here through `fastsft_lab.lab.results` (a clone's `benchmarks/results/`, or the copy packaged with
-the library): every configuration of the newest run as a table, then the 8192-token ones as charts.
+the library): every configuration of the newest run as a table, then the 8192-token ones as charts. Each variant is
+given against two baselines. **vs naive** is against the eager per-expert loop: the syncs *and* the launches it
+pays. **vs default** is against transformers' `grouped_mm`, what transformers 5.x runs unless told otherwise; it
+pays no sync either, so what `sync_free` gains over it is fewer kernels around the same grouped matmuls, not syncs.
+
+**Closer to the limit: the glue around the grouped matmuls.** With the syncs gone, what is left between sync_free
+and the two grouped matmuls is glue: gathering tokens into expert order and back, the gate, the bias, the k-way
+combine. On CUDA that glue is a few fused Triton kernels (`fastsft_lab/moe/kernels.py`, `gate.py`; the eager
+expressions they replace sit beside them and run on a CPU). `benchmarks/experts_profile.py` times one layer's
+experts with them on and off against the matmuls alone, and profiles where the rest goes. It is a later run than
+the routing tables (each caption names its run): the gate kernels changed in between, so the experts-alone
+`sync_free` of the routing run sits further above the matmuls alone than the profile's.
 '''),
 ("code", r'''
+from fastsft_lab.lab import report
+
 gpu_results = results.load_results(["moe-routing", "moe-experts-layer"], newest_run=True)
-gpu_results.sort(key=lambda r: (r["scenario"], r["config"].get("model"), r["config"].get("tokens_per_step"),
-                                r["config"].get("mode", "")))
-print(f"{len(gpu_results)} configurations from {results.describe_run(gpu_results[0])}")
-for r in gpu_results:
+print(report.moe_runs_text(gpu_results))
+for r in (r for r in gpu_results if r["config"].get("tokens_per_step") == 8192):
     c = r["config"]
-    rows = [v for v in r["variants"] if "step_ms" in v]
-    base = rows[0]["step_ms"]["median"] if rows else None
-    print(f"\n{r['scenario']}: {c.get('model')} L={c.get('num_layers', c.get('model_num_layers'))} "
-          f"{c.get('tokens_per_step')} tokens {c.get('mode', 'experts alone')} | {r['env'].get('gpu_name')}")
-    for v in r["variants"]:
-        if "step_ms" in v:
-            print(f"   {v['name']:26s} {v['step_ms']['median']:9.2f} ms  {base / v['step_ms']['median']:5.2f}x   "
-                  f"syncs {v.get('host_syncs_per_step', '-')}")
-        else:
-            print(f"   {v['name']:26s} {v.get('error', '-')}")
-for r in gpu_results:
-    c = r["config"]
-    if c.get("tokens_per_step") != 8192:
-        continue
     fig = plots.plot_result(r, phases=("forward",) if c.get("mode") == "forward" else ("forward", "step"),
                             limit="expert matmuls alone" if r["scenario"] == "moe-experts-layer" else None,
                             title=f"H200: {r['scenario']} | {c.get('model')} | {c.get('tokens_per_step')} tokens | "
-                                  f"{c.get('mode')} | {results.describe_run(r)}")
+                                  f"{c.get('mode', 'experts alone')} | {results.describe_run(r)}")
     display(fig); plt.close(fig)
-'''),
-("md", r'''
-### Closer to the limit: the glue around the grouped matmuls
-With the syncs gone, what is left between sync_free and the two grouped matmuls is glue: gathering tokens into
-expert order and back, the gate, the bias, the k-way combine. On CUDA that glue is a few fused Triton kernels
-(`fastsft_lab/moe/kernels.py`, `gate.py`; the eager expressions they replace sit beside them and run on a CPU).
-`benchmarks/experts_profile.py` times one layer's experts with them on and off against the matmuls alone, and
-profiles where the rest goes.
-'''),
-("code", r'''
 prof = results.experts_profile()
-if prof is None:
-    print("No committed experts profile (benchmarks/experts_profile.py on the GPU machine).")
-else:
-    print(f"[{results.describe_run(prof)}] {prof['what']}")
-    for r in results.experts_profile_rows(prof):
-        sf, eg = r.get("sync_free") or {}, r.get("sync_free:eager_glue") or {}
-        over = lambda d: f"{(d.get('vs_limit', float('nan')) - 1) * 100:+.0f}% over the matmuls alone"
-        print(f"  {r['preset']:14s} {r['tokens']:6d} tok: matmuls alone {r['limit_ms']:6.2f} ms, sync_free "
-              f"{sf.get('step_ms', float('nan')):6.2f} ms ({over(sf)}), every fused kernel off "
-              f"{eg.get('step_ms', float('nan')):6.2f} ms ({over(eg)})")
-        if sf.get("glue_ms") and r.get("glue_floor_ms"):
-            print(f"  {'':14s} {'':6s}      glue {sf['glue_ms']:.2f} ms against its HBM floor {r['glue_floor_ms']:.2f} ms "
-                  f"({r['glue_bytes'] / 1e9:.2f} GB); best unfused glue: {sf['best_unfused_vs_grouped_mm']:.2f}x the "
-                  f"grouped-matmul kernels ({sf['grouped_mm_ms']:.2f} ms)")
-    case = prof["cases"][0]
-    row = next(r for r in case["rows"] if r["name"] == "sync_free")
-    print(f"\nwhere sync_free's GPU time goes, {case['preset']} {case['tokens']} tokens "
-          f"({row['profile_step']['gpu_busy_ms']:.2f} ms busy per forward + backward):")
-    for o in row["profile_step"]["ops"][:10]:
-        print(f"  {o['ms']:7.3f} ms  {o['name']}")
+print("\n" + report.experts_profile_text(prof))
+if prof is not None:
     fig = plots.plot_experts_profile(prof)
     display(fig); plt.close(fig)
 '''),
@@ -396,8 +332,8 @@ else:
 The glue is memory-bound, so its floor is the bytes it has to move (`fastsft_lab.lab.flops.moe_glue_bytes`: each
 glue tensor read or written once, 4TH + 5RH + 8RI elements for T tokens, R = T·k routed rows, hidden H, expert
 intermediate I) at the GPU's HBM bandwidth. Added to the grouped-matmul kernels, that floor is the best a glue
-made of separate kernels can do. On the H200 it is 1.11x for GPT-OSS-20B and 1.20–1.24x for Qwen3-30B-A3B, whose
-8 of 128 small experts move more bytes per FLOP. Going below it takes a grouped GEMM that gathers its rows in
+made of separate kernels can do. On the H200 it is 11% over the grouped-matmul kernels for GPT-OSS-20B and 20–24%
+for Qwen3-30B-A3B, whose 8 of 128 small experts move more bytes per FLOP. Going below it takes a grouped GEMM that gathers its rows in
 its prologue and combines them in its epilogue (ScatterMoE, MegaBlocks).
 '''),
 ("md", r'''
@@ -441,13 +377,20 @@ else:
           f"dominates at this size), so dequantizing the whole layer at once is never slower")
 '''),
 ("md", r'''
-## Summary
+## Summary and next bottleneck
 - The per-expert loop pays at least one host sync per hit expert per layer (here ≥ 2: the id check and the
   `torch.where`); the GPU idles in every one.
 - One stable sort + `searchsorted` groups the tokens by expert with no sync; `grouped` then needs exactly one host
   read per layer, `sync_free` none (grouped matmul on device offsets).
 - Outputs and gradients equal transformers' eager experts (bit-identical for `naive`, float32 rounding for the others),
   for GPT-OSS and Qwen3-MoE, with LoRA on attention and on the expert weights, and with NF4 experts.
+- Against transformers' default `grouped_mm`, which pays no sync either, the gain left is fewer kernel launches
+  around the grouped matmuls (the "vs default" column), smaller than against the naive loop.
+
+**Next bottleneck.** With the syncs gone and the glue fused, one layer's experts run close to the grouped matmuls
+alone; what remains is memory-bound glue, whose floor is set by the bytes it moves. Going lower takes a grouped GEMM
+that gathers and combines in its prologue and epilogue. In the whole step the experts are one part among attention,
+the dense projections and the loss: notebook 04 puts the three fixes together and shows what each is worth there.
 
 **Further reading**
 - transformers' experts registry and its `grouped_mm` path: `transformers/integrations/moe.py`
