@@ -414,6 +414,22 @@ if link is not None:
     display(fig); plt.close(fig)
 '''),
 ("md", r'''
+### When to offload, when to recompute, when neither
+Offloading and recomputing both buy memory with time; with memory to spare, neither is worth its cost. On the H200
+(README recipe, 2026-12-04) checkpointing off was 1.41x faster than offload x2 at Qwen3-14B x40 8k (1212 vs 1704 ms)
+for 74.5 GiB more memory, and 1.41x at GPT-OSS-20B x24 (363 vs 512 ms) for 20.5 GiB more. Between "everything kept"
+and "every layer offloaded" there is a whole frontier, layer by layer:
+- **keep** a layer's activations while memory lasts: no recompute at all;
+- **selective**: save only the matmul and attention outputs and recompute the cheap elementwise ops, norms and
+  activations: most of the recompute's time back for a fraction of the memory;
+- **checkpoint** (input kept) or **offload** (input in pinned host memory, the double buffer of this notebook): the
+  whole layer recomputed; offload also frees the input, at the price of the copies where they are not hidden.
+
+`fastsft_lab.apply(model, memory_budget=80)` measures each choice on the first step and picks the fastest mix that
+fits 80 GiB (`fastsft_lab.offload.plan`; every mix computes what plain training computes, tested on the CPU).
+`bench --only budget` measures the frontier; its GPU run is still to come.
+'''),
+("md", r'''
 ## Summary, next bottleneck and further reading
 - Offloaded checkpointing keeps no activations on the GPU between a layer's forward and backward; the layer input
   goes to a reused pinned pool on a copy stream and comes back into a staging buffer.
