@@ -208,6 +208,9 @@ MUTATIONS = [
     Mutation("moe-bias-one-hot-off-by-one", M + "experts.py",
              "one_hot = (sorted_ids.unsqueeze(1) == experts).to(gate_up.dtype)",
              "one_hot = (sorted_ids.unsqueeze(1) == (experts + 1) % num_experts).to(gate_up.dtype)", (TM,)),
+    Mutation("equality-check-always-bitwise", "fastsft_lab/lab/harness.py",
+             "bitwise = torch.equal(loss, loss0) and all(", "bitwise = True or all(",
+             ("tests/test_bench.py", "-k", "same_weights")),
     # --- the checkpointing plan for a memory budget
     Mutation("plan-saves-outputs-changed-in-place", O + "plan.py",
              "unsaved = frozenset(op for _, op, t, version in records if t._version != version)",

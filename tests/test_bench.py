@@ -216,3 +216,28 @@ def test_the_table_marks_ratios_the_run_cannot_tell_apart_and_skips_quietly():
     assert lines[-1].startswith("~ the step's p20-p80 overlaps base's")
     assert format_derived({"double_vs_single_gain": 0.0123, "second_buffer_bytes": 3 * 2**20, "note": "n"}) == \
         "double vs single gain +1.2%; second buffer bytes 3.0 MiB; note: n"
+
+
+def test_every_variant_is_checked_against_the_first_at_the_same_weights(tiny):
+    from fastsft_lab.lab.harness import compare_to_first
+
+    model, batches = tiny
+    head = [p for n, p in model.named_parameters() if "lora_B" in n][-1]
+
+    def nudge(m):
+        head.data.add_(1e-3)
+
+    def unnudge(m):
+        head.data.sub_(1e-3)
+
+    same, moved = Variant("same"), Variant("nudged", enable=nudge, disable=unnudge)
+    eq = compare_to_first(model, batches[0], [Variant("ref"), same, moved], mode="train")
+    assert eq[0] is None and eq[1] == {"bitwise": True, "loss_rel": 0.0, "grad_rel": 0.0}
+    assert not eq[2]["bitwise"] and eq[2]["grad_rel"] > 1e-4, eq[2]
+    rows = run_variants(model, batches, [Variant("ref"), same, moved], steps=1, warmup=0, progress=False,
+                        count_syncs=False)
+    table = format_table(make_result("demo", {}, rows, "cpu"))
+    import re
+
+    assert "vs 1st" in table and table.split("same")[1].splitlines()[0].endswith("bitwise")
+    assert re.search(r"\d\.\de[+-]\d\d$", table.split("nudged")[1].splitlines()[0])

@@ -145,10 +145,14 @@ def run_variants(
     mode: str = "train",
     optimizer: torch.optim.Optimizer | None = None,
     count_syncs: bool = True,
+    check_equal: bool = True,
     progress: bool = True,
     label: str = "",
 ) -> list[dict]:
-    """Run every variant ``warmup + steps`` times, interleaved, on the same batches. Returns one dict each."""
+    """Run every variant ``warmup + steps`` times, interleaved, on the same batches. Returns one dict each.
+
+    ``check_equal``: also one untimed step of each variant at the same weights, its loss and gradients against the
+    first variant's (:func:`compare_to_first`, in ``equal_to_first``)."""
     if not variants:
         raise ValueError("no variants to run")
     if steps < 1:
@@ -232,6 +236,11 @@ def run_variants(
         results.append(entry)
 
     add_throughput(results, model, batches, mode=mode)
+    if check_equal:
+        ok = [(v, e) for v, e in zip(variants, results) if "error" not in e]
+        if len(ok) > 1:
+            for (_, e), eq in zip(ok, compare_to_first(model, batches[0], [v for v, _ in ok], mode=mode)):
+                e["equal_to_first"] = eq
     if count_syncs:
         for v, entry in zip(variants, results):
             if "error" in entry:
@@ -310,6 +319,74 @@ def count_step_syncs(model: nn.Module, batch: PackedBatch, variant: Variant, *, 
     return out
 
 
+EQUALITY_MAX_GRAD_BYTES = 2 * 2**30     # larger trainable sets are not copied for the check (full fine-tuning)
+
+
+def compare_to_first(model: nn.Module, batch: PackedBatch, variants: Sequence[Variant], *, mode: str) -> list:
+    """One untimed step of every variant at the same weights (no optimizer step): its loss and every trainable
+    gradient against the first variant's. Per variant: None for the first (the reference), else
+    ``{"bitwise": bool, "loss_rel": float, "grad_rel": float}`` -- the relative difference of the loss and the
+    largest of each gradient's ``max|g - g_ref| / max|g_ref|`` -- or ``{"error": ...}`` / ``{"skipped": ...}``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_bytes = sum(p.numel() * p.element_size() for p in params)
+    if mode == "train" and grad_bytes > EQUALITY_MAX_GRAD_BYTES:
+        return [{"skipped": f"{grad_bytes / 2**30:.1f} GiB of gradients"} for _ in variants]
+    ref: tuple | None = None
+    out: list = []
+    for v in variants:
+        try:
+            v.enable(model)
+            state = v.prepare(batch) if v.prepare else None
+            ctx = v.context(model) if v.context is not None else contextlib.nullcontext()
+            torch.manual_seed(0)
+            model.zero_grad(set_to_none=True)
+            if mode == "train":
+                with ctx:
+                    loss = _forward_loss(model, v.inputs(batch, state))
+                    loss.backward()
+                grads = [p.grad.detach().clone() if p.grad is not None else None for p in params]
+                model.zero_grad(set_to_none=True)
+            else:
+                with torch.no_grad(), ctx:
+                    loss = _forward_loss(model, v.inputs(batch, state))
+                grads = []
+            loss = loss.detach().float()
+        except Exception as e:  # noqa: BLE001 - the timing run reports the variant's failure
+            out.append({"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"})
+            continue
+        finally:
+            v.disable(model)
+        if ref is None:
+            ref = (loss, grads)
+            out.append(None)
+            continue
+        loss0, grads0 = ref
+        bitwise = torch.equal(loss, loss0) and all(
+            (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+            for a, b in zip(grads, grads0))
+        grad_rel = 0.0
+        for a, b in zip(grads, grads0):
+            if a is None or b is None:
+                if (a if a is not None else b).abs().max() > 0:
+                    grad_rel = float("inf")
+                continue
+            scale = b.float().abs().max().clamp_min(torch.finfo(torch.float32).tiny)
+            grad_rel = max(grad_rel, float((a.float() - b.float()).abs().max() / scale))
+        out.append({"bitwise": bitwise, "loss_rel": float((loss - loss0).abs() / loss0.abs().clamp_min(1e-30)),
+                    "grad_rel": grad_rel})
+    return out
+
+
+def _fmt_equal(eq) -> str:
+    if eq is None:
+        return "ref"
+    if "bitwise" not in eq:
+        return "-"
+    if eq["bitwise"]:
+        return "bitwise"
+    return f"{max(eq['loss_rel'], eq['grad_rel']):.1e}"
+
+
 def _progress(label: str, done: int, total: int, t_start: float) -> None:
     """A progress bar redrawn in place on a terminal; into a log or a pipe only the finished bar (no \\r flood)."""
     if done < total and not sys.stderr.isatty():
@@ -372,12 +449,14 @@ def format_table(result: dict) -> str:
     """A short text table: median [p20-p80] per phase, the step's speed against the first variant (higher is
     better; ``~`` where the two p20-p80 spreads overlap, so this run does not tell them apart), MFU, host syncs per
     step (and how many of them inside the decoder layers), packed-metadata objects built in the step, peak GPU
-    memory. A skipped variant is one quiet line, an error says so."""
+    memory, and (``vs 1st``) one step's loss and gradients at the same weights against the first variant's:
+    ``bitwise`` or the largest relative difference. A skipped variant is one quiet line, an error says so."""
     rows = result["variants"]
     base = next((r for r in rows if "step_ms" in r), None)
     w = max([28] + [len(r["name"]) for r in rows])
     head = f"{'variant':{w}s} {'forward ms':>22s} {'backward ms':>22s} {'step ms':>22s} {'x step':>8s} " \
-           f"{'MFU':>6s} {'syncs/step':>10s} {'(in layers)':>11s} {'meta builds':>11s} {'peak GiB':>8s}"
+           f"{'MFU':>6s} {'syncs/step':>10s} {'(in layers)':>11s} {'meta builds':>11s} {'peak GiB':>8s}" \
+           + (f" {'vs 1st':>8s}" if any("equal_to_first" in r for r in rows) else "")
     lines = [head, "-" * len(head)]
     overlaps = False
     for r in rows:
@@ -398,12 +477,17 @@ def format_table(result: dict) -> str:
             f"{'(' + str(inl) + ')' if inl is not None else '-':>11s} "
             f"{str(r.get('metadata_builds_per_step') if r.get('metadata_builds_per_step') is not None else '-'):>11s} "
             f"{f'{peak / 2**30:8.2f}' if peak else '-':>8s}"
+            + (f" {_fmt_equal(r['equal_to_first']):>8s}" if "equal_to_first" in r else "")
         )
     if overlaps:
         lines.append(f"~ the step's p20-p80 overlaps {base['name']}'s: this run does not tell the two apart")
+    if any("equal_to_first" in r for r in rows):
+        lines.append(f"vs 1st: one step's loss and gradients at the same weights against {base['name'] if base else 'the first'}"
+                     "'s: bitwise, or the largest relative difference")
     return "\n".join(lines)
 
 
 __all__ = ["Variant", "default_inputs", "run_step", "make_optimizer", "run_variants", "count_step_syncs",
+           "compare_to_first",
            "make_result", "write_json", "format_table", "format_derived", "spreads_overlap", "add_throughput", "with_autocast",
            "AUTOCAST"]
