@@ -268,6 +268,18 @@ def test_bad_budgets_are_refused_in_one_line_and_change_nothing(bad, match):
     assert fastsft_lab.state(model).checkpointing == "none"
 
 
+def test_a_budget_no_plan_meets_is_refused_at_the_first_layer_of_the_first_step():
+    model = _model("tiny-qwen3")
+    fastsft_lab.apply(model, memory_budget=1e-4)       # 105 kB: less than the tiny model's own weights
+    try:
+        with pytest.raises(P.BudgetError, match=r"give at least [0-9.]+ (GiB|MiB)$") as err:
+            _step(model, _batch())
+        assert "\n" not in str(err.value)
+        assert P.memory_planner(model).steps == 1
+    finally:
+        fastsft_lab.revert(model)
+
+
 def test_a_share_of_free_memory_needs_a_device_that_reports_it():
     with pytest.raises(ValueError, match="does not report its free memory"):
         fastsft_lab.apply(_model("tiny-qwen3"), memory_budget="90%")

@@ -66,6 +66,10 @@ _SAVED_OP_NAMES = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_dot_
 SAVED_OPS = frozenset(getattr(torch.ops.aten, n) for n in _SAVED_OP_NAMES if hasattr(torch.ops.aten, n))
 
 
+def _size(b: float) -> str:
+    return f"{b / GiB:.2f} GiB" if b >= GiB / 100 else f"{b / 2**20:.1f} MiB"
+
+
 @functools.lru_cache(maxsize=None)
 def _policy(unsaved: frozenset) -> Callable:
     def save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -239,7 +243,7 @@ class Plan:
         parts = ", ".join(f"{n} {c}" for c, n in self.counts().items())
         if self.by_hand:
             return f"{parts} (set by hand)"
-        return (f"{parts} (predicted peak {self.peak / GiB:.1f} of {self.budget / GiB:.1f} GiB at {self.tokens} "
+        return (f"{parts} (predicted peak {_size(self.peak)} of {_size(self.budget)} at {self.tokens} "
                 f"tokens, layers {self.seconds * 1e3:.0f} ms)")
 
 
@@ -262,8 +266,8 @@ def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 
         BudgetError: when not even every layer offloaded fits.
     """
     if base > budget:
-        raise BudgetError(f"memory_budget {budget / GiB:.2f} GiB is below the smallest plan's peak "
-                          f"({base / GiB:.2f} GiB, every layer offloaded): give at least {base / GiB:.2f} GiB")
+        raise BudgetError(f"memory_budget {_size(budget)} is below the smallest plan's peak "
+                          f"({_size(base)}, every layer offloaded): give at least {_size(base)}")
     best: Plan | None = None
     # two cases: some layer offloads (the staging buffers are paid), or none does (they are not)
     for allowed, slack in ((tuple(choices), budget - base),
@@ -297,7 +301,7 @@ def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 
         if best is None or (plan.seconds, plan.peak) < (best.seconds, best.peak):
             best = plan
     if best is None:      # only when "offload" is not among the choices
-        raise BudgetError(f"memory_budget {budget / GiB:.2f} GiB: no plan of {', '.join(choices)} fits")
+        raise BudgetError(f"memory_budget {_size(budget)}: no plan of {', '.join(choices)} fits")
     return best
 
 
@@ -383,6 +387,8 @@ class MemoryPlanner:
                 layer = self.layers[index]()
                 self._measure(index, kind, function, x,
                               [p for p in layer.parameters() if p.requires_grad] if layer is not None else [])
+                if index == 0:
+                    self._check_floor()
             return self.offload[index](function, *args, **kwargs)
         choice = self.plan.choices[index]
         if choice == "keep":
@@ -434,6 +440,17 @@ class MemoryPlanner:
             torch.cuda.reset_peak_memory_stats(self.device)
         return cost
 
+    def _check_floor(self) -> None:
+        """Step 1, first layer: refuse a budget below what any plan needs -- what is allocated now (CUDA) or the
+        model's bytes (CPU), the optimizer state still to come, the staging buffers and one layer's activations
+        in its recompute -- before the step goes on."""
+        worst = max(c.held["keep"] for c in self.costs.values())
+        floor = (self.static if self.device.type == "cuda" else self.fixed_cpu) + self.allowance + self.staging + worst
+        if floor > self.budget:
+            raise BudgetError(f"memory_budget {_size(self.budget)} is below the smallest plan's peak (at least "
+                              f"{_size(floor)} at {self.tokens} tokens, every layer offloaded): give at least "
+                              f"{_size(floor)}")
+
     def base(self, tokens: int) -> int:
         """Predicted peak with every layer offloaded, at ``tokens`` tokens."""
         r = tokens / self.tokens
@@ -449,8 +466,8 @@ class MemoryPlanner:
 
     def describe(self) -> str:
         if self.plan is None:
-            return f"budget {self.budget / GiB:.1f} GiB: measuring (every layer offloaded until step 2)"
-        return f"budget {self.budget / GiB:.1f} GiB: {self.plan.describe()}"
+            return f"budget {_size(self.budget)}: measuring (every layer offloaded until step 2)"
+        return f"budget {_size(self.budget)}: {self.plan.describe()}"
 
 
 class _PlannedLayer:
@@ -516,7 +533,7 @@ def enable_memory_plan(model: nn.Module, budget, *, buffers: int = 2, prefetch: 
                             layers=[weakref.ref(layer) for layer in layers],
                             fixed_cpu=_tensor_bytes(key.parameters()) + _tensor_bytes(key.buffers()))
     if device.type == "cuda" and torch.cuda.memory_allocated(device) > budget_bytes:
-        raise BudgetError(f"memory_budget {budget_bytes / GiB:.2f} GiB is below what the model already holds "
+        raise BudgetError(f"memory_budget {_size(budget_bytes)} is below what the model already holds "
                           f"({torch.cuda.memory_allocated(device) / GiB:.2f} GiB)")
     for i, layer in enumerate(layers):
         layer._gradient_checkpointing_func = planner.layer_func(i)
