@@ -16,35 +16,42 @@ import torch
 from torch import nn
 
 from ._compat import compiled_inner, ddp_inner, is_fsdp1
+from .families import FAMILIES, ModelFamily, get_family
 
-QWEN3_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-GPT_OSS_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # experts are 3-D parameters, see lora_experts
+QWEN3_LORA_TARGETS = get_family("qwen3").lora_targets
+GPT_OSS_LORA_TARGETS = get_family("gpt_oss").lora_targets  # experts are 3-D parameters, see lora_experts
 
 
 @dataclass(frozen=True)
 class ModelPreset:
-    """A named architecture. ``config`` holds the exact hyper-parameters passed to the transformers config class."""
+    """A named architecture. ``config`` holds the exact hyper-parameters passed to the transformers config class;
+    everything about the architecture itself is its family's record (:mod:`fastsft_lab.families`)."""
 
     name: str
-    family: str  # "qwen3" | "gpt_oss" | "qwen3_moe"
+    family: str  # a key of fastsft_lab.families.FAMILIES (transformers' model_type)
     config: dict
     hub_id: str | None = None
     real: bool = False
     note: str = ""
 
+    def __post_init__(self) -> None:
+        get_family(self.family, what=f"preset {self.name!r}")   # an unknown family fails here, naming the known ones
+
+    @property
+    def family_record(self) -> ModelFamily:
+        return get_family(self.family, what=f"preset {self.name!r}")
+
     @property
     def is_moe(self) -> bool:
-        return self.family in ("gpt_oss", "qwen3_moe")
+        return self.family_record.is_moe
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
-        return GPT_OSS_LORA_TARGETS if self.family == "gpt_oss" else QWEN3_LORA_TARGETS
+        return self.family_record.lora_targets
 
     @property
     def default_attn_implementation(self) -> str:
-        # GptOssPreTrainedModel sets _supports_sdpa = False (SDPA cannot take attention sinks), so stock
-        # transformers runs GPT-OSS with eager attention unless a kernel is installed.
-        return "eager" if self.family == "gpt_oss" else "sdpa"
+        return self.family_record.attention.stock
 
 
 _GPT_OSS_ROPE = {
@@ -164,6 +171,24 @@ _register(ModelPreset(
         rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False, hidden_act="silu",
     ),
 ))
+_register(ModelPreset(
+    name="tiny-mixtral", family="mixtral",
+    config=dict(
+        hidden_size=64,               # 4096 (Mixtral-8x7B)
+        intermediate_size=32,         # 14336
+        num_hidden_layers=2,          # 32
+        num_attention_heads=4,        # 32
+        num_key_value_heads=2,        # 8
+        head_dim=16,                  # 128
+        vocab_size=256,               # 32000
+        max_position_embeddings=4096,  # 32768
+        num_local_experts=8,          # 8
+        num_experts_per_tok=2,        # 2
+        sliding_window=None,          # None, as in the checkpoint's config.json
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, router_aux_loss_coef=0.02, hidden_act="silu",
+    ),
+))
 
 
 def get_preset(name: str) -> ModelPreset:
@@ -171,22 +196,6 @@ def get_preset(name: str) -> ModelPreset:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}") from None
-
-
-def _config_class(family: str):
-    if family == "qwen3":
-        from transformers import Qwen3Config
-
-        return Qwen3Config
-    if family == "gpt_oss":
-        from transformers import GptOssConfig
-
-        return GptOssConfig
-    if family == "qwen3_moe":
-        from transformers import Qwen3MoeConfig
-
-        return Qwen3MoeConfig
-    raise ValueError(f"unsupported model family {family!r}: fastsft_lab supports qwen3, gpt_oss and qwen3_moe")
 
 
 def make_config(preset: str | ModelPreset, num_layers: int | None = None, **overrides: Any):
@@ -201,7 +210,7 @@ def make_config(preset: str | ModelPreset, num_layers: int | None = None, **over
             pattern = values["layer_types"]
             values["layer_types"] = [pattern[i % len(pattern)] for i in range(num_layers)]
     values.update(overrides)
-    return _config_class(preset.family)(**values)
+    return preset.family_record.config_type()(**values)
 
 
 @dataclass
@@ -393,9 +402,12 @@ def add_lora(model: nn.Module, preset: ModelPreset, lora: LoraSettings) -> nn.Mo
         target_modules=targets, task_type="CAUSAL_LM",
     )
     if lora.lora_experts:
-        if preset.family != "gpt_oss":
-            raise ValueError("lora_experts is implemented for GPT-OSS expert parameters only")
-        kwargs["target_parameters"] = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        experts = preset.family_record.experts
+        if experts is None or not experts.lora_parameters:
+            offered = [f.name for f in FAMILIES.values() if f.experts is not None and f.experts.lora_parameters]
+            raise ValueError(f"lora_experts is implemented for the expert parameters of {', '.join(offered)} only "
+                             f"(preset {preset.name!r} is {preset.family})")
+        kwargs["target_parameters"] = list(experts.lora_parameters)
     peft_model = get_peft_model(model, LoraConfig(**kwargs))
     return peft_model
 
@@ -425,6 +437,14 @@ def base_model(model: nn.Module) -> nn.Module:
         else:
             break
     return inner
+
+
+def family_of(model: nn.Module) -> ModelFamily:
+    """The family record of ``model`` (wrappers seen through), from its ``config.model_type``; a one-line error
+    naming the supported families when fastsft_lab has no record of it."""
+    inner = base_model(model)
+    config = getattr(inner, "config", None)
+    return get_family(getattr(config, "model_type", None), what=type(inner).__name__)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

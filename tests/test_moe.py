@@ -1,12 +1,15 @@
 """MoE routing (optimization 3): every mode equals transformers' own eager experts, with the host syncs we claim.
 
 Reference = the untouched stock path (``experts_implementation="eager"``: transformers' ``GptOssExperts.forward`` /
-``Qwen3MoeExperts.forward``). Float32 on the CPU; CUDA checks compare per MoE layer (bf16 drifts end to end).
+``Qwen3MoeExperts.forward`` / ``MixtralExperts.forward``). Float32 on the CPU; CUDA checks compare per MoE layer (bf16
+drifts end to end). The MoE families and their tiny presets come from the model-family record
+(:mod:`fastsft_lab.families`): a family added there is checked here with no edit.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import warnings
 
@@ -16,15 +19,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastsft_lab import moe
+from fastsft_lab.families import FAMILIES, get_family
 from fastsft_lab.lab.scenarios import run_scenario
 from fastsft_lab.lab.scenarios.moe import experts_microbenchmark, routing_stats
-from fastsft_lab.models import LoraSettings, base_model, build_model, decoder_layers
+from fastsft_lab.models import PRESETS, LoraSettings, build_model, decoder_layers, get_preset
 from fastsft_lab.moe import (MODES, experts_implementation, experts_modules, get_moe_routing, group_by_expert,
                              moe_routing, quantize_experts_nf4, set_moe_routing)
 from fastsft_lab.profiling import SyncCounter
 
 ATTN_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL_IMPLS = ("eager",) + MODES + ("grouped_mm",)
+MOE_FAMILIES = [f.name for f in FAMILIES.values() if f.is_moe]                        # gpt_oss, qwen3_moe, mixtral
+TINY_MOE_PRESETS = [p.name for p in PRESETS.values() if p.is_moe and not p.real]     # one tiny preset per family
 
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -33,24 +39,14 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 # --- helpers -----------------------------------------------------------------------------------------------------
 def make_experts(family: str, *, hidden: int = 16, inter: int = 8, experts: int = 6, top_k: int = 2,
                  dtype=torch.float32, device="cpu", seed: int = 0):
-    """A standalone experts module with random weights large enough to hit GPT-OSS's clamps (limit 7)."""
+    """A standalone experts module of ``family`` (its record names the config and experts classes and the config keys)
+    with random weights large enough to hit GPT-OSS's clamps (limit 7)."""
     torch.manual_seed(seed)
-    if family == "gpt_oss":
-        from transformers import GptOssConfig
-        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
-
-        cfg = GptOssConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=experts,
-                           num_experts_per_tok=top_k, num_hidden_layers=1, num_attention_heads=2,
-                           num_key_value_heads=1, head_dim=8)
-        module = GptOssExperts(cfg)
-    else:
-        from transformers import Qwen3MoeConfig
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-
-        cfg = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts,
-                             num_experts_per_tok=top_k, num_hidden_layers=1, num_attention_heads=2,
-                             num_key_value_heads=1, head_dim=8)
-        module = Qwen3MoeExperts(cfg)
+    fam = get_family(family)
+    cfg = fam.config_type()(hidden_size=hidden, num_experts_per_tok=top_k, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=8,
+                            **{fam.experts.width_key: inter, fam.experts.num_experts_key: experts})
+    module = fam.experts_type()(cfg)
     module = module.to(device=device, dtype=dtype)
     with torch.no_grad():
         for name, p in module.named_parameters():
@@ -181,7 +177,7 @@ def test_bincount_would_be_counted_as_a_sync():
 
 
 # --- equivalence: experts modules ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
 @pytest.mark.parametrize("case", ["basic", "zero_token_experts", "one_token", "top1", "one_expert_takes_all",
                                   "topk_equals_experts"])
 def test_experts_equal_stock_eager(family, case):
@@ -203,7 +199,7 @@ def test_experts_equal_stock_eager(family, case):
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(family=st.sampled_from(["gpt_oss", "qwen3_moe"]), tokens=st.integers(1, 40), experts=st.integers(2, 9),
+@given(family=st.sampled_from(MOE_FAMILIES), tokens=st.integers(1, 40), experts=st.integers(2, 9),
        data=st.data())
 def test_experts_equal_stock_eager_random(family, tokens, experts, data):
     top_k = data.draw(st.integers(1, min(4, experts)))
@@ -214,6 +210,31 @@ def test_experts_equal_stock_eager_random(family, tokens, experts, data):
     x = torch.randn(tokens, 16, generator=torch.Generator().manual_seed(seed)) * 2.0
     idx, w = random_routing(tokens, experts, top_k, used=used, seed=seed)
     compare_to_eager(module, x, idx, w)
+
+
+def test_dense_routing_weights_are_gathered_to_the_top_k(monkeypatch):
+    """A family whose router hands its experts dense (T, E) scores (record: ``routing_weights="dense"``) computes, in
+    every mode, what the (T, k) weights of the chosen experts give; the score gradient lands on the chosen entries."""
+    from fastsft_lab import families
+
+    module = make_experts("qwen3_moe")
+    tokens, experts = 23, 6
+    x = torch.randn(tokens, 16) * 2.0
+    idx, w = random_routing(tokens, experts, 2)
+    torch.manual_seed(5)
+    grad_out = torch.randn_like(x)
+    ref_out, ref_grads = run_experts(module, "eager", x, idx, w, grad_out)            # stock eager on (T, k)
+    fam = get_family("qwen3_moe")
+    dense_family = dataclasses.replace(fam, experts=dataclasses.replace(fam.experts, routing_weights="dense"))
+    monkeypatch.setitem(families._BY_EXPERTS_CLASS, fam.experts.class_name, dense_family)
+    scores = torch.zeros(tokens, experts).scatter(1, idx, w)
+    for mode in MODES:
+        out, grads = run_experts(module, mode, x, idx, scores, grad_out)
+        assert_close(out, ref_out, f"{mode} output")
+        assert_close(grads["weights"].gather(1, idx), ref_grads["weights"], f"{mode} grad weights")
+        assert grads["weights"].scatter(1, idx, 0.0).abs().max() == 0
+        for name in ref_grads.keys() - {"weights"}:
+            assert_close(grads[name], ref_grads[name], f"{mode} grad {name}")
 
 
 def test_empty_input_returns_empty():
@@ -414,6 +435,8 @@ def _model_outputs(model, ids):
     ("tiny-gpt-oss", LoraSettings(rank=4, target_modules=ATTN_TARGETS, lora_experts=True)),  # PEFT on 3-D params
     ("tiny-qwen3-moe", None),
     ("tiny-qwen3-moe", LoraSettings(rank=4)),  # PEFT maps down_proj/... targets onto the experts' parameters
+    ("tiny-mixtral", None),
+    ("tiny-mixtral", LoraSettings(rank=4)),    # PEFT maps Mixtral's w1/w2/w3 targets onto the experts' parameters
 ])
 def test_whole_model_logits_and_grads(preset, lora):
     model = build_model(preset, device="cpu", dtype=torch.float32, lora=lora, seed=1)
@@ -424,7 +447,8 @@ def test_whole_model_logits_and_grads(preset, lora):
     ids = torch.randint(4, 256, (2, 24), generator=torch.Generator().manual_seed(3))
     with moe_routing(model, "eager"):
         ref_logits, ref_grads = _model_outputs(model, ids)
-    assert ref_grads and (lora is not None or any("router" in n or "mlp.gate" in n for n in ref_grads))
+    router = f"mlp.{get_preset(preset).family_record.experts.router}."   # GPT-OSS: mlp.router, others: mlp.gate
+    assert ref_grads and (lora is not None or any(router in n for n in ref_grads))
     for mode in MODES:
         with moe_routing(model, mode):
             logits, grads = _model_outputs(model, ids)
@@ -435,7 +459,7 @@ def test_whole_model_logits_and_grads(preset, lora):
 
 
 # --- NF4 experts -----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("preset", ["tiny-gpt-oss", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("preset", TINY_MOE_PRESETS)
 def test_nf4_experts_equal_stock_on_dequantized_weights(preset):
     model = build_model(preset, device="cpu", dtype=torch.float32,
                         lora=LoraSettings(rank=4, target_modules=ATTN_TARGETS))
@@ -715,7 +739,7 @@ def test_cuda_microbenchmark_and_stats_run():
     assert all(sum(row) == 2 * 64 * model.config.num_experts_per_tok for row in stats["tokens_per_expert"])
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_nf4_store_dequantizes_to_what_bitsandbytes_gives(family):
     # An independent round trip through bitsandbytes (quantize_4bit / dequantize_4bit on the same flat weight, the
     # same blocksize): the store's dequantization must equal it bit for bit, all experts and one expert, and stay

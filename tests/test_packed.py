@@ -22,7 +22,7 @@ from fastsft_lab.packing.backends import eager as E, flex as FX, sdpa as S, varl
 from fastsft_lab.packing.backends.sdpa import naive_dense_mask
 from fastsft_lab.packing.backends.varlen import naive_varlen_args
 from fastsft_lab.data import IGNORE_INDEX, pack_examples, synthetic_corpus, unpack
-from fastsft_lab.models import LoraSettings, base_model, build_model, decoder_layers
+from fastsft_lab.models import LoraSettings, base_model, build_model, decoder_layers, family_of, get_preset
 from fastsft_lab.packing import (
     ATTN_NAMES,
     PackedCollator,
@@ -39,7 +39,7 @@ from fastsft_lab.profiling import SyncCounter
 warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
 warnings.filterwarnings("ignore", message=".*return_lse is deprecated.*")
 
-PRESETS = ["tiny-qwen3", "tiny-gpt-oss"]
+PRESETS = ["tiny-qwen3", "tiny-gpt-oss", "tiny-mixtral"]   # dense; windows + sinks + MoE; MoE (the family record's)
 CPU_BACKENDS = ["eager", "sdpa", "varlen", "flex"]   # flex: forward only on a CPU
 TRAIN_BACKENDS = ["eager", "sdpa", "varlen"]
 
@@ -59,6 +59,11 @@ def make_model(preset: str, gradient_checkpointing: bool = False):
         if "lora_B" in name:  # PEFT starts B at zero, which would make every lora_A gradient zero
             torch.nn.init.normal_(p, std=0.05)
     return model
+
+
+def layer_windows(model) -> set:
+    """The distinct sliding windows of the model's layers (None: full attention), as the family record says."""
+    return set(family_of(model).layer_windows(base_model(model).config))
 
 
 def lora_grads(model, runs: list[dict]) -> dict[str, torch.Tensor]:
@@ -172,7 +177,7 @@ def test_checkpoint_recompute_reuses_metadata(preset):
     model.train()
     batch = make_batch()
     n_layers = len(decoder_layers(model))
-    windows = {layer.self_attn.sliding_window for layer in decoder_layers(model)}
+    windows = layer_windows(model)
     seen = []
     original = base_model(model).model.layers[0].self_attn.forward
 
@@ -191,7 +196,7 @@ def test_checkpoint_recompute_reuses_metadata(preset):
         assert seen[0] is meta and seen[1] is meta
         # one device copy, one mask per distinct window -- not per layer, not per recompute
         assert log.cached["tensors"] == 1
-        assert log.cached["dense" if preset == "tiny-qwen3" else "dense_sink"] == len(windows)
+        assert log.cached["dense_sink" if get_preset(preset).family_record.attention.sinks else "dense"] == len(windows)
         assert not log.naive
 
         set_packed_metadata_cache(model, False)  # the naive path rebuilds in every layer, twice with recompute
@@ -958,7 +963,7 @@ def test_cuda_model_packed_equals_alone_and_naive_equals_cached(preset, backend)
         scale = max(model(input_ids=s.input_ids).logits.abs().max().item() for s in unpack(batch))
     enable_packed_attention(model, backend)
     try:
-        if preset == "tiny-gpt-oss":
+        if get_preset(preset).is_moe:
             # bf16 rounding may reroute a near-tie token to another expert (1 of 216 with flex on the H200):
             # compare the tokens routed alike, and bound the rerouted ones (the float32 test below allows none)
             diff, rerouted, total = packed_vs_alone_moe(model, batch)
@@ -1181,12 +1186,13 @@ def test_host_block_mask_builds_without_touching_the_device_or_mask_mod(monkeypa
     assert tuple(bm.seq_lengths) == (512, 512) and bm.kv_num_blocks.shape == (2, 1, 4)
 
 
-def test_packed_vs_alone_moe_sees_every_layers_routing():
+@pytest.mark.parametrize("preset", [p for p in PRESETS if get_preset(p).is_moe])
+def test_packed_vs_alone_moe_sees_every_layers_routing(preset):
     """The MoE comparison captures each token's experts in every MoE layer, and on a float32 CPU run nothing is
     rerouted and packed equals alone."""
     from fastsft_lab.evidence import _expert_choices
 
-    model = make_model("tiny-gpt-oss").eval()
+    model = make_model(preset).eval()
     batch = make_batch()
     enable_packed_attention(model, "sdpa")
     routes = _expert_choices(model, lambda: model(**{k: v for k, v in packed_inputs(batch).items() if k != "labels"}))

@@ -1,4 +1,5 @@
-"""Optimization 3: MoE expert routing for GPT-OSS (and Qwen3-MoE): the per-expert loop, grouped once, sync-free.
+"""Optimization 3: MoE expert routing for GPT-OSS (and Qwen3-MoE, Mixtral: the MoE families of
+:mod:`fastsft_lab.families`): the per-expert loop, grouped once, sync-free.
 
 The problem. The common expert loop (transformers' ``eager`` experts, and the pattern most MoE code copies) asks,
 for every expert, *which tokens did you get?* (``nonzero`` / ``torch.where`` on a mask) and checks the expert id on
@@ -15,7 +16,8 @@ layer), ``sync_free`` (the same grouping feeding a grouped matmul: none). Usage:
 
 Layout: ``experts.py`` (the three forwards side by side), ``grouping.py`` (sort, offsets, gathers, combine),
 ``matmul.py`` (the grouped matmul), ``gate.py`` (GPT-OSS's gate: eager and fused Triton), ``nf4.py`` (NF4 expert
-store), ``switch.py`` (through transformers' experts registry), ``modules.py`` (finding the experts).
+store), ``switch.py`` (through transformers' experts registry), ``modules.py`` (finding the experts, through the
+model-family record).
 
 Equivalence (float32, CPU) with transformers' eager experts - outputs and gradients - is proven in
 ``tests/test_moe.py``; notebook 03 walks through it.

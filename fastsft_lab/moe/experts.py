@@ -1,9 +1,10 @@
 """The three experts forwards of the ``moe_routing`` switch, side by side (transformers' experts signature:
-hidden (T, H), top_k_index (T, k), top_k_weights (T, k) -> (T, H)).
+hidden (T, H), top_k_index (T, k), top_k_weights (T, k) -> (T, H); a family whose record says its router hands over
+dense (T, E) scores has them gathered to (T, k) first, :func:`.modules.top_k_weights`).
 
 * ``naive``     - the per-expert loop, op for op transformers' own eager ``GptOssExperts.forward`` /
-  ``Qwen3MoeExperts.forward`` (one_hot -> expert_hit.nonzero() -> for each hit expert: ``torch.where`` ->
-  gather -> matmuls -> ``index_add_``). The "before": 2+ host syncs per hit expert and layer.
+  ``Qwen3MoeExperts.forward`` / ``MixtralExperts.forward`` (one_hot -> expert_hit.nonzero() -> for each hit expert:
+  ``torch.where`` -> gather -> matmuls -> ``index_add_``). The "before": 2+ host syncs per hit expert and layer.
 * ``grouped``   - group once (:mod:`.grouping`): stable sort, per-expert end offsets by ``searchsorted``, ONE
   ``.tolist()`` of the offsets per MoE layer (exactly one host sync), one matmul pair per non-empty expert on its
   contiguous slice, a deterministic reduction of each token's k expert outputs.
@@ -26,6 +27,7 @@ from torch import nn
 from .gate import fused_glu_available, gpt_oss_glu, is_gpt_oss_gate, is_silu_gate, silu_glu
 from .grouping import combine, group_by_expert, inverse_permutation, tokens_in_expert_order
 from .matmul import ContiguousGrad, grouped_mm, grouped_mm_unavailable
+from .modules import top_k_weights as routing_top_k
 from .nf4 import NF4_ATTR, NF4GroupedMM, NF4Weight, expert_matmul, expert_weight, is_nf4, mat_b, nf4_checked
 
 HOST_READ_LABEL = "fastsft::expert_offsets_to_host"  # profiler label of grouped's one host read per layer
@@ -51,6 +53,7 @@ def naive_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_in
     weights it dequantizes only the experts that were hit.
     """
     nf4 = nf4_checked(self)
+    top_k_weights = routing_top_k(self, top_k_index, top_k_weights)
     final_hidden_states = torch.zeros_like(hidden_states)
     with torch.no_grad():
         expert_mask = F.one_hot(top_k_index, num_classes=self.num_experts)
@@ -89,6 +92,7 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     if num_tokens == 0:
         return torch.zeros_like(hidden_states)
     nf4 = nf4_checked(self)
+    top_k_weights = routing_top_k(self, top_k_index, top_k_weights)
     sorted_ids, perm, ends = group_by_expert(top_k_index, self.num_experts)
     with torch.profiler.record_function(HOST_READ_LABEL):
         ends_host = ends.tolist()  # THE host sync of this layer: every slice boundary at once
@@ -155,6 +159,7 @@ def sync_free_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
                           stacklevel=2)
         return grouped_experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
+    top_k_weights = routing_top_k(self, top_k_index, top_k_weights)
     num_experts = self.num_experts
     sorted_ids, perm, offs = group_by_expert(top_k_index, num_experts, int32=True)
     inv = inverse_permutation(perm)

@@ -7,10 +7,18 @@ import torch
 from torch import nn
 
 from .._util import KernelSwitch, pow2_ceil
+from ..families import experts_family
+
+
+def _gate_of(module: nn.Module) -> str | None:
+    """The experts module's gate, as its family's record names it (None: not an experts module of the record)."""
+    family = experts_family(module)
+    return family.experts.gate if family is not None and family.experts is not None else None
 
 
 def is_gpt_oss_gate(module: nn.Module) -> bool:
-    return (not getattr(module, "is_concatenated", True)) and hasattr(module, "alpha") and hasattr(module, "limit")
+    """GPT-OSS's clamped GLU (interleaved gate/up, ``alpha`` / ``limit`` on the module)."""
+    return _gate_of(module) == "gpt_oss_glu"
 
 
 def eager_gpt_oss_glu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -228,11 +236,12 @@ def gpt_oss_glu(gate_up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0,
 
 
 def is_silu_gate(module: nn.Module) -> bool:
-    """transformers' default gate ``act_fn(gate) * up`` on concatenated halves with a SiLU (Qwen3-MoE, Mixtral...)."""
-    apply_gate = getattr(type(module), "_apply_gate", None)
+    """transformers' default gate ``act_fn(gate) * up`` on concatenated halves (the record's ``"act_glu"``: Qwen3-MoE,
+    Mixtral) with a SiLU: the config's ``hidden_act`` picks the act, so the module's act is what decides."""
+    if _gate_of(module) != "act_glu":
+        return False
     act = getattr(module, "act_fn", None)
-    return (getattr(apply_gate, "__name__", "") == "_default_apply_gate" and getattr(module, "is_concatenated", True)
-            and (isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")))
+    return isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
 
 
 def silu_glu(gate_up: torch.Tensor) -> torch.Tensor:

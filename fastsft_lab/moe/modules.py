@@ -1,14 +1,18 @@
-"""Finding the experts modules of a transformers MoE model (GPT-OSS, Qwen3-MoE, ...)."""
+"""Finding the experts modules of a transformers MoE model, through the model-family record
+(:mod:`fastsft_lab.families`: GPT-OSS, Qwen3-MoE, Mixtral)."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+
+from ..families import FAMILIES, experts_family
 
 
 def is_experts_module(module: nn.Module) -> bool:
-    """A transformers experts module whose forward dispatches on ``config._experts_implementation``."""
-    return (getattr(type(module).forward, "__wrapped__", None) is not None and hasattr(type(module), "_apply_gate")
-            and "is_transposed" in module.__dict__ and hasattr(module, "config") and hasattr(module, "num_experts"))
+    """The experts module of a family in the record (its transformers class, or the NF4 subclass of it): its forward
+    dispatches on ``config._experts_implementation``."""
+    return experts_family(module) is not None
 
 
 def experts_modules(model: nn.Module) -> list[nn.Module]:
@@ -16,6 +20,18 @@ def experts_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if is_experts_module(m)]
 
 
+def experts_classes() -> str:
+    """``"GptOssExperts (gpt_oss), ..."`` - the experts modules the record knows, for error messages."""
+    return ", ".join(f"{f.experts.class_name} ({f.name})" for f in FAMILIES.values() if f.experts is not None)
 
 
-__all__ = ["is_experts_module", "experts_modules"]
+def top_k_weights(module: nn.Module, top_k_index: torch.Tensor, routing_weights: torch.Tensor) -> torch.Tensor:
+    """The (T, k) routing weights of the chosen experts, whatever layout the family's router hands over: ``"top_k"``
+    as is, ``"dense"`` (T, E) scores gathered at ``top_k_index``."""
+    family = experts_family(module)
+    if family is not None and family.experts is not None and family.experts.routing_weights == "dense":
+        return routing_weights.gather(1, top_k_index)
+    return routing_weights
+
+
+__all__ = ["is_experts_module", "experts_modules", "experts_classes", "top_k_weights"]

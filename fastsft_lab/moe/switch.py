@@ -2,7 +2,8 @@
 
 The three forwards of :mod:`.experts` are registered once, at import, in
 ``transformers.integrations.moe.ExpertsInterface`` (as ``fastsft_naive`` / ``fastsft_grouped`` /
-``fastsft_sync_free``); the decorated ``GptOssExperts`` / ``Qwen3MoeExperts`` then dispatch on
+``fastsft_sync_free``); the decorated experts modules of the model-family record (``GptOssExperts``,
+``Qwen3MoeExperts``, ``MixtralExperts``: :mod:`fastsft_lab.families`) then dispatch on
 ``config._experts_implementation``, which :func:`set_moe_routing` changes with the model's public
 ``set_experts_implementation``. The implementation the model had before the first switch (``grouped_mm`` for models
 built by ``from_config`` in transformers 5.x, ``eager`` if it was asked for) is recorded and put back by
@@ -20,7 +21,7 @@ from .._compat import set_experts_implementation_of
 from ..models import base_model
 from ..model_state import ModelState, register_state_reader, state
 from .experts import FORWARDS
-from .modules import experts_modules
+from .modules import experts_classes, experts_modules
 
 MODES = ("naive", "grouped", "sync_free")
 # Names under which our forwards are registered in transformers' experts registry.
@@ -84,7 +85,8 @@ def check_moe_routing(model: nn.Module, mode) -> str | None:
                          f"({', '.join(STOCK_IMPLEMENTATIONS)}), or None/'off'; got {mode!r}")
     if not experts_modules(model):
         raise ValueError(f"{type(base_model(model)).__name__} has no mixture-of-experts layers (no transformers "
-                         "experts module such as GptOssExperts or Qwen3MoeExperts): leave moe_routing unset")
+                         f"experts module of a family in fastsft_lab's record: {experts_classes()}): leave "
+                         "moe_routing unset")
     return mode
 
 

@@ -91,7 +91,7 @@ class BreakdownScenario(Scenario):
             breakdown = breakdown_variant(model, batches, fast, optimizer=optimizer, device=device, steps=opts.steps)
         config = {"model": preset.name, "num_layers": model.config.num_hidden_layers, "tokens_per_step": tokens,
                   "row_tokens": row, "mix": opts.mix, "variant": fast.name, "autocast": opts.autocast,
-                  "quant": "nf4" if preset.family == "qwen3" and preset.real else "none",
+                  "quant": "nf4" if preset.real and not preset.is_moe else "none",
                   "lora_rank": opts.lora_rank, "gradient_checkpointing": True, "packed_backend": opts.backend,
                   "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "warmup": opts.warmup,
                   "timed_steps": opts.timed, "profiled_steps": opts.steps, "batch": batches[0].length_stats(),

@@ -50,8 +50,8 @@ def build_combined_model(preset, *, num_layers: int | None, lora_rank: int, devi
     projection (attention only for GPT-OSS), gradient checkpointing, LoRA B drawn away from zero so that the adapters
     have a real gradient path; bf16 on a GPU, float32 on a CPU."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    quant = "nf4" if preset.family == "qwen3" and preset.real else None
-    targets = None if preset.family == "qwen3" else ["q_proj", "k_proj", "v_proj", "o_proj"]
+    quant = "nf4" if preset.real and not preset.is_moe else None
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"] if preset.is_moe else None
     model = build_model(preset.name, device=device, dtype=dtype, quant=quant, num_layers=num_layers,
                         lora=LoraSettings(rank=lora_rank, target_modules=targets),
                         gradient_checkpointing=True, attn_implementation=None)
@@ -178,22 +178,23 @@ def combined_variants(model: nn.Module, *, is_moe: bool, packed: str = "varlen",
     return out + extra
 
 
+# Liger-Kernel's entry point per model family, and whether its SwiGLU applies (the dense MLP's; GPT-OSS's experts
+# have a gate of their own).
+_LIGER_RECIPES = {"qwen3": ("apply_liger_kernel_to_qwen3", True), "gpt_oss": ("apply_liger_kernel_to_gpt_oss", False)}
+
+
 def apply_liger(model: nn.Module, family: str) -> dict:
     """Liger-Kernel's RMSNorm, SwiGLU (Qwen3) and RoPE on this model, and fastsft_lab's fused loss and fused LoRA
     (irreversible for Liger's module patches: the scenario builds a fresh model for it)."""
     from liger_kernel.transformers import monkey_patch as mp
 
-    base = base_model(model)
-    if family == "qwen3":
-        mp.apply_liger_kernel_to_qwen3(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                       fused_linear_cross_entropy=False, model=base)
-    elif family == "gpt_oss":
-        mp.apply_liger_kernel_to_gpt_oss(rope=True, rms_norm=True, swiglu=False, cross_entropy=False,
-                                         fused_linear_cross_entropy=False, model=base)
-    else:
+    if family not in _LIGER_RECIPES:
         raise ValueError(f"no Liger recipe for family {family!r}")
+    entry, swiglu = _LIGER_RECIPES[family]
+    getattr(mp, entry)(rope=True, rms_norm=True, swiglu=swiglu, cross_entropy=False, fused_linear_cross_entropy=False,
+                       model=base_model(model))
     enable_fused_loss(model)
-    detail = "liger rms_norm + rope" + (" + swiglu" if family == "qwen3" else "") + " + fastsft fused loss"
+    detail = "liger rms_norm + rope" + (" + swiglu" if swiglu else "") + " + fastsft fused loss"
     if fused_lora_targets(model):
         enable_fused_lora(model)
         detail += " + fastsft fused LoRA"
@@ -303,7 +304,7 @@ class CombinedScenario(Scenario):
         peak = peak_flops(environment(device).get("gpu_name"))   # run_variants put tokens/s and MFU on every row
         mean_flops = next((r["flops_per_step"] for r in rows if "flops_per_step" in r), None)
         config = {"model": preset.name, "num_layers": model.config.num_hidden_layers, "tokens_per_step": tokens,
-                  "row_tokens": row, "mix": opts.mix, "quant": "nf4" if preset.family == "qwen3" and preset.real
+                  "row_tokens": row, "mix": opts.mix, "quant": "nf4" if preset.real and not preset.is_moe
                   else "none", "lora_rank": opts.lora_rank, "gradient_checkpointing": True,
                   "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "steps": opts.steps,
                   "warmup": opts.warmup, "batch": batches[0].length_stats(), "flops_per_step": mean_flops,

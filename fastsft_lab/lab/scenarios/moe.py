@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ...data import benchmark_batches
+from ...families import get_family
 from ...models import LoraSettings, build_model, decoder_layers, get_preset
 from ...moe import experts_modules, fused_glu_available, group_by_expert, grouped_mm, grouped_mm_unavailable, moe_routing
 from ...moe import IMPLEMENTATIONS, quantize_experts_nf4, set_fused_glu, set_moe_routing, nf4_expert_bytes
@@ -221,7 +222,7 @@ def routing_variants(model_family: str = "gpt_oss", inputs: Callable | None = No
     def off(m):
         set_moe_routing(m, None)
 
-    cls = "GptOssExperts" if model_family == "gpt_oss" else "Qwen3MoeExperts"
+    cls = get_family(model_family).experts.class_name
     return [
         Variant("naive", {"moe_routing": "naive"}, switch("naive"), off, inputs=inputs,
                 note=f"before: transformers 5.17's eager {cls}.forward loop, re-registered op for op as "
@@ -359,8 +360,9 @@ class MoeScenario(Scenario):
 def _bench(plan: _Plan) -> list[dict]:
     preset, device, dtype, quant = plan.preset, plan.device, plan.dtype, plan.quant
     t0 = time.time()
+    experts = preset.family_record.experts   # LoRA on the expert parameters where the family's record offers it
     lora = LoraSettings(rank=plan.lora_rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                        lora_experts=plan.lora_experts and preset.family == "gpt_oss")
+                        lora_experts=plan.lora_experts and experts is not None and bool(experts.lora_parameters))
     model = build_model(preset, device=device, dtype=dtype, quant=quant, lora=lora, num_layers=plan.num_layers,
                         attn_implementation=plan.attn)
     info = model.fastsft_info
@@ -396,7 +398,7 @@ def _bench(plan: _Plan) -> list[dict]:
         "num_experts": preset.config.get("num_local_experts", preset.config.get("num_experts")),
         "top_k": preset.config.get("num_experts_per_tok"), "build_seconds": round(build_s, 1),
         "params_total": info.params_total, "params_trainable": info.params_trainable,
-        "sync_free_gate": "fused triton" if (preset.family == "gpt_oss" and plan.gpu and
+        "sync_free_gate": "fused triton" if (preset.family_record.experts.gate == "gpt_oss_glu" and plan.gpu and
                                              fused_glu_available(torch.empty(0, device=device))) else "eager",
     }
     if quant == "nf4":

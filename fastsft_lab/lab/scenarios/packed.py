@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ...data import PackedBatch, benchmark_batches
+from ...families import get_family
 from ...models import LoraSettings, base_model, build_model, decoder_layers, get_preset
 from ...packing import (BACKENDS, PackedMetadata, available_backends, disable_packed_attention,
                         enable_packed_attention, get_backend, packed_inputs, prebuild_metadata, prepare_metadata)
@@ -130,7 +131,7 @@ def _stock_for(backend: str, family: str) -> str | None:
         return "flex_attention"
     if backend == "varlen":
         return None   # stock transformers has no torch-varlen path; its stock sdpa/eager is timed in the sdpa config
-    return "eager" if family == "gpt_oss" else "sdpa"
+    return get_family(family).attention.stock   # GPT-OSS: eager (SDPA cannot take its attention sinks)
 
 
 def _result_name(model: str, tokens: int, mix: str, backend: str) -> str:
