@@ -239,5 +239,5 @@ def test_every_variant_is_checked_against_the_first_at_the_same_weights(tiny):
     table = format_table(make_result("demo", {}, rows, "cpu"))
     import re
 
-    assert "vs 1st" in table and table.split("same")[1].splitlines()[0].endswith("bitwise")
+    assert "vs ref" in table and table.split("same")[1].splitlines()[0].endswith("bitwise")
     assert re.search(r"\d\.\de[+-]\d\d$", table.split("nudged")[1].splitlines()[0])

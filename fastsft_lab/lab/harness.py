@@ -145,14 +145,14 @@ def run_variants(
     mode: str = "train",
     optimizer: torch.optim.Optimizer | None = None,
     count_syncs: bool = True,
-    check_equal: bool = True,
+    check_equal: bool | str = True,
     progress: bool = True,
     label: str = "",
 ) -> list[dict]:
     """Run every variant ``warmup + steps`` times, interleaved, on the same batches. Returns one dict each.
 
     ``check_equal``: also one untimed step of each variant at the same weights, its loss and gradients against the
-    first variant's (:func:`compare_to_first`, in ``equal_to_first``)."""
+    first variant's, or against the variant it names (:func:`compare_to_first`, in ``equal_to_first``)."""
     if not variants:
         raise ValueError("no variants to run")
     if steps < 1:
@@ -238,9 +238,12 @@ def run_variants(
     add_throughput(results, model, batches, mode=mode)
     if check_equal:
         ok = [(v, e) for v, e in zip(variants, results) if "error" not in e]
+        # the reference: the variant named by check_equal (one that computes the exact result), else the first
+        ok.sort(key=lambda ve: ve[0].name != check_equal)
         if len(ok) > 1:
             for (_, e), eq in zip(ok, compare_to_first(model, batches[0], [v for v, _ in ok], mode=mode)):
                 e["equal_to_first"] = eq
+                e["equal_reference"] = ok[0][0].name
     if count_syncs:
         for v, entry in zip(variants, results):
             if "error" in entry:
@@ -456,7 +459,7 @@ def format_table(result: dict) -> str:
     w = max([28] + [len(r["name"]) for r in rows])
     head = f"{'variant':{w}s} {'forward ms':>22s} {'backward ms':>22s} {'step ms':>22s} {'x step':>8s} " \
            f"{'MFU':>6s} {'syncs/step':>10s} {'(in layers)':>11s} {'meta builds':>11s} {'peak GiB':>8s}" \
-           + (f" {'vs 1st':>8s}" if any("equal_to_first" in r for r in rows) else "")
+           + (f" {'vs ref':>8s}" if any("equal_to_first" in r for r in rows) else "")
     lines = [head, "-" * len(head)]
     overlaps = False
     for r in rows:
@@ -481,9 +484,10 @@ def format_table(result: dict) -> str:
         )
     if overlaps:
         lines.append(f"~ the step's p20-p80 overlaps {base['name']}'s: this run does not tell the two apart")
-    if any("equal_to_first" in r for r in rows):
-        lines.append(f"vs 1st: one step's loss and gradients at the same weights against {base['name'] if base else 'the first'}"
-                     "'s: bitwise, or the largest relative difference")
+    ref = next((r.get("equal_reference") for r in rows if "equal_to_first" in r), None)
+    if ref is not None:
+        lines.append(f"vs ref: one step's loss and gradients at the same weights against {ref}'s (ref): bitwise, or "
+                     "the largest relative difference")
     return "\n".join(lines)
 
 

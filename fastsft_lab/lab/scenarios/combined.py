@@ -33,12 +33,10 @@ from torch import nn
 
 from ...data import benchmark_batches
 from ...env import environment, package_version
-from ...lora import enable_fused_lora, fused_lora_targets
-from ...loss import enable_fused_loss
+from ...lora import fused_lora_targets
 from ...models import LoraSettings, base_model, build_model, decoder_layers, get_preset
-from ...moe import set_moe_routing
-from ...offload import disable_offloaded_checkpointing, enable_offloaded_checkpointing
-from ...packing import disable_packed_attention, enable_packed_attention, packed_inputs
+from ...packing import enable_packed_attention, packed_inputs
+from ...toggles import apply
 from ..flops import peak_flops
 from ..harness import AUTOCAST, Variant, format_table, make_result, run_variants, with_autocast, write_json
 from ..plots import plot_waterfall, save_figure
@@ -64,16 +62,14 @@ def build_combined_model(preset, *, num_layers: int | None, lora_rank: int, devi
 # --- the variants ---------------------------------------------------------------------------------------------------
 def _configure(model: nn.Module, *, packed: str | None = None, cache: bool = True, moe: str | None = None,
                offload: int = 0, check: bool = True) -> None:
-    if packed:
-        enable_packed_attention(model, packed, cache=cache, check_available=False, check_batch=check)
-    else:
-        disable_packed_attention(model)
-    if moe is not None:
-        set_moe_routing(model, moe if moe != "stock" else None)
-    if offload:
-        enable_offloaded_checkpointing(model, offload, offload == 2)
-    else:
-        disable_offloaded_checkpointing(model)
+    """One variant's switches, set through :func:`fastsft_lab.apply` (what a user calls); ``moe="stock"`` is the
+    experts implementation the model had. The batch-check ablation (``check=False``) goes through the packing
+    module's finer switch, which ``apply`` does not offer."""
+    apply(model, packed_attention=packed or "off", packed_metadata_cache=cache if packed else None,
+          moe_routing=None if moe is None else ("off" if moe == "stock" else moe),
+          offload_buffers=offload or "off")
+    if packed and not check:
+        enable_packed_attention(model, packed, cache=cache, check_batch=False)
 
 
 def _reset(model: nn.Module, is_moe: bool) -> None:
@@ -193,10 +189,10 @@ def apply_liger(model: nn.Module, family: str) -> dict:
     entry, swiglu = _LIGER_RECIPES[family]
     getattr(mp, entry)(rope=True, rms_norm=True, swiglu=swiglu, cross_entropy=False, fused_linear_cross_entropy=False,
                        model=base_model(model))
-    enable_fused_loss(model)
+    fused_lora = bool(fused_lora_targets(model))
+    apply(model, fused_loss=True, fused_lora=fused_lora)
     detail = "liger rms_norm + rope" + (" + swiglu" if swiglu else "") + " + fastsft fused loss"
-    if fused_lora_targets(model):
-        enable_fused_lora(model)
+    if fused_lora:
         detail += " + fastsft fused LoRA"
     return {"liger_kernel": package_version("liger-kernel") or "unknown", "kernels_detail": detail}
 
@@ -299,8 +295,9 @@ class CombinedScenario(Scenario):
                                      trl=device.type == "cuda", compiled=opts.compiled)
         label = f"{preset.name} {tokens} tok, kernels={kernels}"
         variants = with_autocast(variants, opts.autocast)
+        # checked against all naive: exact packing (stock GPT-OSS attention lets packed sequences see each other)
         rows = run_variants(model, batches, variants, steps=opts.steps, warmup=opts.warmup, progress=progress,
-                            label=label)
+                            label=label, check_equal="all naive")
         peak = peak_flops(environment(device).get("gpu_name"))   # run_variants put tokens/s and MFU on every row
         mean_flops = next((r["flops_per_step"] for r in rows if "flops_per_step" in r), None)
         config = {"model": preset.name, "num_layers": model.config.num_hidden_layers, "tokens_per_step": tokens,
