@@ -255,7 +255,7 @@ def time_steps(preset: str, *, tokens: int, steps: int, warmup: int, layers: int
         torch.cuda.set_device(device)
     preset_ = get_preset(preset)
     model = build_model(preset, device=device, dtype=torch.bfloat16 if cuda else torch.float32, num_layers=layers,
-                        quant="nf4" if cuda and preset_.family == "qwen3" and preset_.real else None,
+                        quant="nf4" if cuda and preset_.real and not preset_.is_moe else None,
                         lora=LoraSettings(rank=16 if preset_.real else 4))
     fastsft_lab.apply(model, packed_attention="varlen" if cuda else "sdpa", offload_buffers=2, fused_loss=True,
                       **({"moe_routing": "sync_free"} if preset_.is_moe else {}))

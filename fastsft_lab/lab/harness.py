@@ -452,7 +452,7 @@ def format_table(result: dict) -> str:
     """A short text table: median [p20-p80] per phase, the step's speed against the first variant (higher is
     better; ``~`` where the two p20-p80 spreads overlap, so this run does not tell them apart), MFU, host syncs per
     step (and how many of them inside the decoder layers), packed-metadata objects built in the step, peak GPU
-    memory, and (``vs 1st``) one step's loss and gradients at the same weights against the first variant's:
+    memory, and (``vs ref``) one step's loss and gradients at the same weights against the reference variant's:
     ``bitwise`` or the largest relative difference. A skipped variant is one quiet line, an error says so."""
     rows = result["variants"]
     base = next((r for r in rows if "step_ms" in r), None)
