@@ -23,7 +23,7 @@ from torch import nn
 
 from ...data import PackedBatch, benchmark_batches
 from ...families import get_family
-from ...models import LoraSettings, base_model, build_model, decoder_layers, get_preset
+from ...models import LoraSettings, base_model, build_model, family_of, get_preset
 from ...packing import (BACKENDS, PackedMetadata, available_backends, disable_packed_attention,
                         enable_packed_attention, get_backend, packed_inputs, prebuild_metadata, prepare_metadata)
 from ..harness import Variant, format_table, make_result, run_variants, write_json
@@ -32,12 +32,10 @@ from ..scenario import OptionError, Scenario, option
 
 
 def _windows_and_sinks(model: nn.Module) -> tuple[tuple[int | None, ...], bool]:
-    windows, sinks = set(), False
-    for layer in decoder_layers(model):
-        attn = layer.self_attn
-        windows.add(getattr(attn, "sliding_window", None))
-        sinks = sinks or getattr(attn, "sinks", None) is not None
-    return tuple(sorted(windows, key=lambda w: -1 if w is None else w)), sinks
+    """The sliding windows of the model's layers and whether its attention has sinks, from its family record."""
+    family = family_of(model)
+    windows = set(family.layer_windows(base_model(model).config))
+    return tuple(sorted(windows, key=lambda w: -1 if w is None else w)), family.attention.sinks
 
 
 def packed_variants(model: nn.Module, backend: str, device: torch.device, *, stock: str | None = None,
