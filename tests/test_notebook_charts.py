@@ -136,3 +136,40 @@ def test_expert_grouping_draws_every_sorted_row_and_marks_an_empty_expert():
     assert "offs[2]=4 (E2 empty)" in texts and "offs[1]=4" in texts
     assert "E2" in right.get_xlabel()
     matplotlib.pyplot.close(fig)
+
+
+def test_waterfall_and_loss_curve_titles_name_depth_kernels_and_autocast():
+    import matplotlib
+    matplotlib.use("Agg")
+    doc = {"env": {"gpu_name": "GPU", "date": "2099-01-01"},
+           "config": {"model": "m", "num_layers": 4, "tokens_per_step": 8192, "kernels": "liger", "autocast": "bf16",
+                      "preset": "m", "dtype": "bfloat16"},
+           "variants": [{"name": "transformers default", "step_ms": {"median": 200.0}},
+                        {"name": "all naive", "step_ms": {"median": 150.0}},
+                        {"name": "all fast", "step_ms": {"median": 100.0}}],
+           "losses": {"all naive": [3.0, 2.0, 1.0], "all fast": [3.0, 2.0, 1.0]}}
+    fig = plots.plot_waterfall(doc)
+    title = fig.axes[0].get_title()
+    assert "x4 layers" in title and "kernels liger" in title and "autocast bf16" in title
+    matplotlib.pyplot.close(fig)
+    fig = plots.plot_loss_curves(doc)
+    title = fig.axes[0].get_title()
+    assert title.startswith("3 steps") and "x4 layers" in title and "autocast none" in title
+    assert len(fig.axes[0].lines) == 2
+    matplotlib.pyplot.close(fig)
+
+
+def test_peer_chart_draws_a_missing_peak_as_missing_not_zero():
+    import math
+
+    import matplotlib
+    matplotlib.use("Agg")
+    peer = {"env": {"gpu_name": "GPU"}, "config": {"model": "m", "num_layers": 8},
+            "variants": [{"name": "unsloth", "step_ms": {"median": 300.0}, "peak_mem_bytes": 2**31},
+                         {"name": "unsloth x1", "step_ms": {"median": 310.0}}]}
+    fig = plots.plot_peer([([peer], [])])
+    memory = fig.axes[1]
+    widths = [p.get_width() for p in memory.patches]
+    assert widths[0] == 2.0 and math.isnan(widths[1])
+    assert any("not recorded" in t.get_text() for t in memory.texts)
+    matplotlib.pyplot.close(fig)

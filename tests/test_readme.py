@@ -164,3 +164,80 @@ def test_packed_texts_give_ratios_from_the_run_and_say_failed_instead_of_an_olde
     text = report.packed_collated_text([collated])
     assert "1.0100" in text and "1.0040" in text and "within 0.5% of the oracle: 1 of 1" in text
     assert report.packed_collated_text([]).startswith("No committed")
+
+
+def _combined_doc(kernels, ms, run="h200-2099-01-01", model="qwen3-14b", layers=40, **variant_extra):
+    return {"scenario": "combined", "_path": f"{run}/{kernels}.json", "env": {"gpu_name": "GPU", "date": "2099-01-01"},
+            "config": {"model": model, "num_layers": layers, "tokens_per_step": 8192, "kernels": kernels,
+                       "autocast": "bf16"},
+            "variants": [{"name": n, "step_ms": {"median": m, "p20": m, "p80": m, "n": 6}, "host_syncs_per_step": 0,
+                          **variant_extra} for n, m in ms.items()]}
+
+
+def test_combined_summary_states_the_glue_fixes_alone_and_says_not_measured_where_a_floor_lacks_them(monkeypatch):
+    from fastsft_lab.lab import results as R
+
+    none = _combined_doc("none", {"transformers default": 300.0, "all naive": 210.0, "all fast": 200.0})
+    liger = _combined_doc("liger", {"transformers default": 250.0, "all fast": 150.0})
+    monkeypatch.setattr(R, "combined_results", lambda: [none, liger])
+    (model, table, pick), = report.combined_summary()
+    assert model == "qwen3-14b" and "all 40 layers" in table and "autocast bf16" in table
+    assert "all fast over all naive (the glue fixes alone, same kernels): 1.05x on kernels none, not measured on " \
+           "kernels liger; published: ~25%" in table
+    assert "1.50x" not in table.split("all fast over")[1]            # no ratio made up from the liger default
+
+
+def test_config_header_names_depth_kernels_and_autocast_and_says_what_was_not_recorded():
+    doc = _combined_doc("liger", {})
+    assert report.config_header(doc) == ("qwen3-14b, all 40 layers, 8192 tokens/step, kernels liger, autocast bf16 | "
+                                         "GPU, torch None, transformers None, 2099-01-01 (h200-2099-01-01)")
+    eight = {"config": {"model": "qwen3-14b", "num_layers": 8}}
+    assert report.config_header(eight, "here") == ("qwen3-14b, 8 of 40 layers, tokens not recorded, kernels not "
+                                                   "recorded, autocast not recorded | here")
+
+
+def test_peer_text_gives_who_leads_in_x_and_marks_a_missing_peak_and_a_failed_run():
+    peer = {"scenario": "peer-unsloth", "_path": "h200-2099-01-01/peer.json", "env": {"gpu_name": "GPU", "date": "2099"},
+            "config": {"model": "qwen3-14b", "num_layers": 8, "tokens_per_step": 8192},
+            "variants": [{"name": "unsloth", "step_ms": {"median": 300.0, "p20": 290.0, "p80": 310.0, "n": 6},
+                          "peak_mem_bytes": 2**31, "host_syncs_per_step": 2},
+                         {"name": "unsloth (x1)", "error": "CUDA out of memory"}]}
+    ours = _combined_doc("liger", {"all fast": 250.0, "all naive": 260.0}, layers=8)
+    text = report.peer_text([peer], [ours])
+    assert "qwen3-14b, 8 of 40 layers, 8192 tokens/step" in text
+    assert "unsloth (x1): failed: CUDA out of memory" in text
+    assert "ours (all fast) vs unsloth: 1.20x the speed by medians (6 and 6 steps)" in text
+    assert "peak memory" not in text.split("vs unsloth")[1]          # our peak not recorded: no memory ratio
+    fast = next(line for line in text.splitlines() if "fastsft all fast" in line)
+    assert "– GiB" in fast and "0.0 GiB" not in fast
+    alone = report.peer_text([peer], [])
+    assert "no ratio" in alone and "x the speed" not in alone
+
+
+def test_breakdown_text_gives_each_configuration_its_own_header_and_marks_empty_categories():
+    def doc(kernels, autocast, ms):
+        cats = [{"category": c, "label": c, "ms": m, "share": m / 100, "kernel_ms": m, "top": []}
+                for c, m in (("dense", ms), ("idle", 100 - ms), ("experts", 0.0))]
+        return {"_path": "h200-2099-01-01/b.json", "env": {"gpu_name": "GPU", "date": "2099-01-01"},
+                "config": {"model": "qwen3-14b", "num_layers": 8, "tokens_per_step": 8192, "kernels": kernels,
+                           "autocast": autocast},
+                "variants": [{"name": "all fast"}],                # no unprofiled timing: the profiled view
+                "breakdown": {"step_ms": 100.0, "categories": cats, "bottleneck": "dense", "activity": "cuda"}}
+    text = report.breakdown_text([doc("liger", "none", 60.0), doc("liger", "bf16", 70.0)])
+    lines = text.splitlines()
+    assert lines[1].split() == ["x8", "liger", "x8", "liger"]
+    assert lines[2].split() == ["autocast", "none", "autocast", "bf16"]   # the two columns differ in their header
+    assert any(line.split() == ["dense", "60.0", "(60%)", "70.0", "(70%)"] for line in lines)
+    assert not any(line.split()[:1] == ["experts"] for line in lines)     # no time anywhere: no row
+    assert report.breakdown_text([]).startswith("No committed")
+
+
+def test_loss_curves_text_states_the_number_of_steps_it_holds():
+    doc = {"_path": "h200-2099-01-01/curves.json", "env": {"gpu_name": "GPU", "date": "2099-01-01"},
+           "config": {"preset": "gpt-oss-20b", "num_layers": 4, "tokens_per_step": 8192, "dtype": "bfloat16"},
+           "losses": {"all naive": [3.0] * 60, "all fast": [3.0] * 60},
+           "max_abs_diff_fast_vs_naive": 1e-3, "max_abs_diff_noise_floor": 2e-3}
+    text = report.loss_curves_text(doc)
+    assert text.startswith("60 LoRA steps, gpt-oss-20b, 4 of 24 layers") and "few hundred" not in text
+    assert "1.00e-03" in text and "2.00e-03" in text
+    assert report.loss_curves_text(None).startswith("No committed")

@@ -64,3 +64,35 @@ def test_widget_callbacks_drive_the_same_switches(board):
     board.set(backend="off", buffers=0)
     assert c["backend"].value == "off"
     board._widgets = None
+
+
+def test_one_at_a_time_flips_one_switch_per_run_and_says_what_it_changed(board):
+    with pytest.raises(ValueError, match="one switch at a time"):
+        board.one_at_a_time([{"cache": True, "buffers": 2}])
+    n = len(board.records)
+    board.set(backend="off", buffers=0, moe="off", fused_loss=False, cache=False)
+    runs = board.one_at_a_time([{"backend": "sdpa"}, {"cache": True}, {"moe": "sync_free"}], steps=1)
+    assert [r["changed"] for r in runs] == ["start: stock attn, ckpt", "backend: off -> sdpa", "cache: off -> on",
+                                            "moe: off -> sync_free"]
+    assert len(board.records) == n + 4 and board.setting.backend == "sdpa" and board.setting.moe == "sync_free"
+    lines = board.changes_text().splitlines()
+    cache = next(line for line in lines if line.startswith("cache: off -> on"))
+    before, after = runs[1]["host_syncs_per_step"], runs[2]["host_syncs_per_step"]
+    assert before > after and f"{before} -> {after}" in cache
+    assert cache.split()[-1] == "–"                                  # no peak memory on a CPU: missing, not 0
+    assert runs[1]["step_ms"]["median"] / runs[2]["step_ms"]["median"] == pytest.approx(
+        float(cache.split()[5].rstrip("x")), abs=0.006)                # "x prev": the run before over this one
+    fig = board.figure()
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()][-1] == "moe: off -> sync_free"
+    assert any("not\nmeasured" in t.get_text() for t in fig.axes[2].texts)
+    board.set(backend="off", buffers=0, moe="off", cache=True)
+
+
+def test_breakdown_of_the_current_setting_splits_a_step_into_its_categories(board):
+    board.set(backend="sdpa", buffers=2, moe="sync_free", fused_loss=True)
+    bd = board.breakdown(steps=1)
+    cats = {r["category"]: r["ms"] for r in bd["categories"]}
+    assert bd["activity"] == "cpu" and bd["steps"] == 1 and bd["step_ms"] > 0
+    assert cats["experts"] > 0 and cats["attention"] > 0
+    assert sum(cats.values()) == pytest.approx(bd["step_ms"], rel=0.02)
+    board.set(backend="off", buffers=0, moe="off", fused_loss=False)

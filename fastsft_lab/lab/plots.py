@@ -169,8 +169,9 @@ def plot_waterfall(result: dict):
     ax.set_ylabel(f"step speed vs transformers' default ({HIGHER})", fontsize=8)
     ax.margins(y=0.15)
     cfg = result.get("config", {})
-    ax.set_title(f"all three together: {cfg.get('model')} x{cfg.get('num_layers')} | {cfg.get('tokens_per_step')} "
-                 f"tokens/step | kernels {cfg.get('kernels')} | {_where(result)}", fontsize=9)
+    ax.set_title(f"all three together: {cfg.get('model')} x{cfg.get('num_layers')} layers | {cfg.get('tokens_per_step')} "
+                 f"tokens/step | kernels {cfg.get('kernels')} | autocast {cfg.get('autocast', 'none')} | "
+                 f"{_where(result)}", fontsize=9)
     fig.tight_layout()
     return fig
 
@@ -701,13 +702,35 @@ def plot_peer(comparisons: Sequence[tuple[Sequence[dict], Sequence[dict]]]):
         a1.barh(names, [rows[0][1] / r[1] for r in rows], color=_BLUE)
         a1.set_xlabel(f"speed vs {rows[0][0]} ({HIGHER})")
         a1.set_title(f"{title} | {_where(comparisons[0][0][0])}", loc="left", fontsize=9)
-        a2.barh(names, [(r[2] or 0) / 2**30 for r in rows], color=_ORANGE)
+        a2.barh(names, [r[2] / 2**30 if r[2] else float("nan") for r in rows], color=_ORANGE)
+        for y, r in enumerate(rows):
+            if not r[2]:                      # a peak the run did not record is drawn as missing, not as zero
+                a2.text(0, y, " not recorded", va="center", fontsize=7, color=_GREY)
         a2.set_xlabel("peak GPU memory, GiB (lower is better)")
         a2.set_yticklabels([])
     fig.tight_layout()
     return fig
 
 
+def plot_loss_curves(doc: dict):
+    """A committed loss-curve run (``benchmarks/soak.py --what curves``): every curve it holds against the step, the
+    fast path dashed; the title names the model, depth, tokens, kernel floor and autocast (soak.py sets neither), the
+    number of steps and the run."""
+    plt = _plt()
+    c = doc["config"]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    for name, ys in doc["losses"].items():
+        ax.plot(ys, label=name, ls="--" if "fast" in name else "-")
+    steps = len(next(iter(doc["losses"].values()), []))
+    ax.set_xlabel("step"); ax.set_ylabel("loss (lower is better)"); ax.legend(fontsize=8)
+    ax.set_title(f"{steps} steps: {c.get('preset')} x{c.get('num_layers')} layers | {c.get('tokens_per_step')} tokens/step "
+                 f"| kernels none | autocast none ({c.get('dtype')} weights) | {_where(doc)}, "
+                 f"{doc.get('env', {}).get('date', '')[:10]}", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 __all__ = ["save_figure", "plot_result", "plot_limit_gap", "plot_waterfall", "plot_regime", "plot_offload_result",
            "plot_across_tokens", "plot_sweep", "plot_timeline", "plot_timelines", "plot_host_device_timeline",
-           "plot_offload_link", "plot_breakdown", "BREAKDOWN_COLORS", "plot_experts_profile", "plot_expert_grouping", "peer_rows", "plot_peer"]
+           "plot_offload_link", "plot_breakdown", "BREAKDOWN_COLORS", "plot_experts_profile", "plot_expert_grouping", "peer_rows", "plot_peer",
+           "plot_loss_curves"]

@@ -513,10 +513,14 @@ def write_headline_chart(path: pathlib.Path = HEADLINE_PNG) -> str | None:
     return save_figure(plot_headline(rows), str(path))
 
 
+PUBLISHED_GLUE_GAIN = 0.25     # Unsloth's blog post: ~25% per step from the three glue fixes together
+
+
 def combined_summary(tokens: int = 8192, autocast: str = "bf16") -> list[tuple[str, str, dict]]:
     """Per model, at full depth, ``tokens`` per step and ``autocast``: one text table of every variant on both kernel
-    floors (step ms, speed over transformers' default on the same floor, host syncs, peak GiB), and the result whose
-    waterfall to draw (the floor that ran the most variants, the fast one on a tie). ``[(model, table, doc)]``."""
+    floors (step ms, speed over transformers' default on the same floor, host syncs, peak GiB), closed by the glue fixes'
+    own share (all fast over all naive on each floor; "not measured" where a floor lacks one) beside the published
+    figure, and the result whose waterfall to draw (the floor that ran the most variants, the fast one on a tie). ``[(model, table, doc)]``."""
     out = []
     docs = [d for d in R.combined_results() if d["config"].get("tokens_per_step") == tokens
             and d["config"].get("autocast", "none") == autocast and _is_full_depth(d["config"])]
@@ -539,6 +543,16 @@ def combined_summary(tokens: int = 8192, autocast: str = "bf16") -> list[tuple[s
                 peak = f"{v['peak_mem_bytes'] / 2**30:6.1f}" if v.get("peak_mem_bytes") else f"{'-':>6s}"
                 cells += f" | {v['step_ms']['median']:8.1f} {x:5.2f}x {peak} {str(v.get('host_syncs_per_step', '-')):>6s}  "
             lines.append(f"  {name:30s}{cells}")
+        glue = []
+        for d in mine:
+            rows = {v["name"]: v for v in d["variants"] if "step_ms" in v}
+            if "all naive" in rows and "all fast" in rows:
+                glue.append(f"{rows['all naive']['step_ms']['median'] / rows['all fast']['step_ms']['median']:.2f}x on "
+                            f"kernels {d['config']['kernels']}")
+            else:
+                glue.append(f"not measured on kernels {d['config']['kernels']}")
+        lines.append(f"  all fast over all naive (the glue fixes alone, same kernels): {', '.join(glue)}; "
+                     f"published: ~{PUBLISHED_GLUE_GAIN:.0%} (a later revision ~15%)")
         lines.append("  x dflt: speed over transformers' default on the same floor (higher is better). Every run and "
                      "every other configuration: docs/results.md")
         pick = max(mine, key=lambda d: (len(d["variants"]), d["config"]["kernels"] != "none"))
@@ -849,6 +863,120 @@ def packed_collated_text(docs: list[dict], band: float = 0.005) -> str:
     return "\n".join(out)
 
 
+def config_header(doc: dict, where: str | None = None) -> str:
+    """A caption every table or chart of one result carries: model, depth, tokens per step, kernel floor and autocast
+    (each "not recorded" where the result has none), then ``where`` (default: the run, :func:`.results.describe_run`)."""
+    c = doc.get("config", {})
+    model = c.get("model") or c.get("preset") or "model not recorded"
+    depth = _depth({"model": model, "num_layers": c["num_layers"]}) if c.get("num_layers") else "depth not recorded"
+    tokens = f"{c['tokens_per_step']} tokens/step" if c.get("tokens_per_step") else "tokens not recorded"
+    kernels = c.get("kernels") or "not recorded"
+    autocast = c.get("autocast") or "not recorded"
+    return (f"{model}, {depth}, {tokens}, kernels {kernels}, autocast {autocast} | "
+            f"{where if where is not None else R.describe_run(doc)}")
+
+
+def peer_text(peer: list[dict], same: list[dict]) -> str:
+    """One comparison of :func:`.results.peer_results` as text: the peer's rows and ours from the same session
+    (step ms, peak GiB, host syncs; each of our rows names its kernel floor and autocast), who leads by medians and by
+    the peer's mean step ("x": higher is faster), memory resident -> after forward -> peak, and for every variant
+    whose steps spread too widely (:func:`.results.unsettled`) a note with its measured steps. A variant that failed
+    says so; a peak not recorded reads "–"."""
+    from .plots import peer_rows
+
+    c = peer[0]["config"]
+    out = [f"{c.get('model')}, {_depth(c)}, {c.get('tokens_per_step')} tokens/step, kernel floor and autocast: each "
+           f"row's | {R.describe_run(peer[0])}"]
+    if c.get("layout") == "padded":
+        out.append(f"  Unsloth on padded rows: {c['padded_tokens_per_step']:.0f} tokens computed per step for "
+                   f"{c['real_tokens_per_step']:.0f} real ones ({100 * c['padding_fraction']:.0f}% padding)")
+    out.extend(f"  {v['name']}: failed: {v.get('error')}" for d in peer for v in d["variants"] if "step_ms" not in v)
+    for name, ms, peak, syncs in peer_rows(peer, same):
+        gib = f"{peak / 2**30:6.1f} GiB" if peak else f"{'–':>6s} GiB"
+        out.append(f"  {name:60s} {ms:8.1f} ms   {gib}   syncs {syncs if syncs is not None else '–'}")
+    peers = [v for d in peer for v in d["variants"] if "step_ms" in v]
+    ours = [v for d in same for v in d["variants"] if v["name"] == "all fast" and "step_ms" in v]
+    if peers and ours:
+        p, o = min(peers, key=lambda v: v["step_ms"]["median"]), min(ours, key=lambda v: v["step_ms"]["median"])
+        mem = (f" at {o['peak_mem_bytes'] / p['peak_mem_bytes']:.2f}x the peak memory"
+               if o.get("peak_mem_bytes") and p.get("peak_mem_bytes") else "")
+        out.append(f"  ours (all fast) vs {p['name']}: {p['step_ms']['median'] / o['step_ms']['median']:.2f}x the speed "
+                   f"by medians ({p['step_ms']['n']} and {o['step_ms']['n']} steps){mem}")
+        steps = p.get("samples_ms", {}).get("step")
+        if steps:
+            mean = sum(steps) / len(steps)
+            out.append(f"  by {p['name']}'s mean step ({mean:.1f} ms, what a run's wall clock pays): "
+                       f"{mean / o['step_ms']['median']:.2f}x")
+        for who, v in (("peer", p), ("ours", o)):
+            parts = [v.get(k) for k in ("resident_mem_bytes", "forward_peak_mem_bytes", "peak_mem_bytes")]
+            if all(parts):
+                out.append(f"  {who} memory, resident -> after forward -> peak: "
+                           + " -> ".join(f"{b / 2**30:.2f}" for b in parts) + " GiB")
+    elif not ours:
+        out.append("  no combined run of ours in the same session: no ratio (none from another session stands in)")
+    for d in peer + same:                  # a median says little when the steps spread: show every measured step
+        for v in d["variants"]:
+            if R.unsettled(v):
+                steps = v.get("samples_ms", {}).get("step")
+                out.append(f"  note: {v['name']} spread {R.step_spread(v):.1f}x from p20 to p80 over {v['step_ms']['n']} "
+                           f"steps" + (f" (steps, ms: {', '.join(f'{x:.0f}' for x in steps)})" if steps else "")
+                           + ": the medians above do not settle which is faster.")
+    return "\n".join(out)
+
+
+def breakdown_text(docs: list[dict]) -> str:
+    """Committed breakdowns (:func:`.results.breakdown_results`) as one table per model: a column per configuration,
+    its header naming depth, kernel floor and autocast (so no two columns share a header), a row per category in ms
+    and share of the step (re-based on the unprofiled step, :func:`.breakdown.step_view`), the step unprofiled and
+    profiled, and each column's largest part. A category a configuration has no time in reads "–"."""
+    from .breakdown import step_view
+
+    docs = [d for d in docs if d.get("breakdown")]
+    if not docs:
+        return "No committed GPU run of the breakdown scenario yet (python -m fastsft_lab bench --only breakdown)."
+    out = []
+    for model in dict.fromkeys(d["config"]["model"] for d in docs):
+        mine = [d for d in docs if d["config"]["model"] == model]
+        views = [step_view(d) for d in mine]
+        heads = [(f"x{d['config'].get('num_layers')} {d['config'].get('kernels')}",
+                  f"autocast {d['config'].get('autocast', 'none')}") for d in mine]
+        w = max(18, *(len(h) + 2 for pair in heads for h in pair))
+        runs = sorted({R.describe_run(d) for d in mine})
+        out.append(f"{model}, {mine[0]['config']['tokens_per_step']} tokens/step, the all-fast step: ms (share of the "
+                   f"step); columns: depth, kernel floor, autocast | {'; '.join(runs)}")
+        out.append(f"  {'':22s}" + "".join(f"{h[0]:>{w}s}" for h in heads))
+        out.append(f"  {'':22s}" + "".join(f"{h[1]:>{w}s}" for h in heads))
+        labels = dict.fromkeys((r["category"], r["label"]) for v in views for r in v["categories"])
+        for cat, label in labels:
+            cells = []
+            for v in views:
+                row = next((r for r in v["categories"] if r["category"] == cat), None)
+                cells.append(f"{row['ms']:.1f} ({row['share']:.0%})" if row and row["ms"] else "–")
+            if any(c != "–" for c in cells):
+                out.append(f"  {label:22s}" + "".join(f"{c:>{w}s}" for c in cells))
+        out.append(f"  {'step, unprofiled':22s}" + "".join(f"{v['step_ms']:>{w}.1f}" for v in views))
+        out.append(f"  {'step, profiled':22s}" + "".join(f"{v.get('profiled_step_ms', v['step_ms']):>{w}.1f}"
+                                                        for v in views))
+        tops = {r["category"]: r["label"] for v in views for r in v["categories"]}
+        out.append(f"  {'largest part':22s}" + "".join(f"{tops[v['bottleneck']]:>{w}s}" for v in views))
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
+def loss_curves_text(doc: dict | None) -> str:
+    """A committed loss-curve run (``benchmarks/soak.py --what curves``) in one sentence: how many steps of which
+    model, and the largest difference of all fast from all naive against the noise floor (the same run with the
+    weights one ulp apart). Says so when none was committed."""
+    if doc is None:
+        return "No committed GPU loss curves yet (benchmarks/soak.py --what curves)."
+    c = doc["config"]
+    steps = len(next(iter(doc["losses"].values()), []))
+    depth = _depth({"model": c.get("preset"), "num_layers": c.get("num_layers")})
+    return (f"{steps} LoRA steps, {c.get('preset')}, {depth}, {c.get('tokens_per_step')} tokens/step, kernels none, "
+            f"autocast none ({c.get('dtype')} weights; soak.py sets neither): max |all fast - all naive| = {doc['max_abs_diff_fast_vs_naive']:.2e}; noise "
+            f"floor (weights one ulp apart) = {doc['max_abs_diff_noise_floor']:.2e}  [{R.describe_run(doc)}]")
+
+
 TABLES = {"headline": headline_table, "combined": combined_table, "packed": packed_table, "regime": regime_table, "offload": offload_table,
           "moe": moe_table, "soak": soak_table, "peer": peer_table, "offload_link": offload_link_table,
           "breakdown": breakdown_table}
@@ -873,7 +1001,8 @@ def write_readme(paths=DOCS) -> str:
     return ", ".join(str(p) for p in paths)
 
 
-__all__ = ["TABLES", "combined_summary", "moe_runs_text", "experts_profile_text", "offload_derived_text", "offload_overlap_text",
+__all__ = ["TABLES", "combined_summary", "PUBLISHED_GLUE_GAIN", "config_header", "peer_text",
+           "breakdown_text", "loss_curves_text", "moe_runs_text", "experts_profile_text", "offload_derived_text", "offload_overlap_text",
            "offload_vram_text", "offload_sweep_text", "offload_link_text", "packed_configs_text",
            "packed_findings_text", "packed_variants_text", "packed_regime_text", "packed_collated_text", "MOE_DEFAULT", "render", "write_readme", "write_headline_chart", "headline_rows", "headline_table", "README",
            "RESULTS_MD", "DOCS"]

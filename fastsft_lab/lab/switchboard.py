@@ -145,6 +145,66 @@ class Switchboard:
         self._redraw()
         return record
 
+    def one_at_a_time(self, flips: Sequence[dict], steps: int = 2) -> list[dict]:
+        """Run the current setting, then flip one switch per entry of ``flips`` (each a one-key dict such as
+        ``{"cache": True}``, applied on top of the previous ones) and run ``steps`` steps after each, so that every
+        record after the first differs from the one before it by exactly that switch (its ``changed``, e.g.
+        ``"cache: off -> on"``). A flip of no or several switches is refused before anything runs."""
+        for flip in flips:
+            if len(flip) != 1:
+                raise ValueError(f"one switch at a time: each flip names exactly one switch, got {sorted(flip)}")
+        first = self.run(steps)
+        first["changed"] = f"start: {first['setting']}"
+        out = [first]
+        for flip in flips:
+            (name, value), = flip.items()
+            before = getattr(self.setting, name)
+            self.set(**flip)
+            record = self.run(steps)
+            record["changed"] = f"{name}: {_word(before)} -> {_word(value)}"
+            out.append(record)
+        self._redraw()
+        return out
+
+    def changes_text(self) -> str:
+        """Every run so far, in order, as what changed since the run before it (the switch and its two positions, or
+        the whole setting where it was set by hand), its median step, its speed over the run before ("x": higher is
+        faster), host syncs before -> after and peak GPU memory ("–" where not measured, as on a CPU)."""
+        lines = [f"{'what changed':40s} {'step ms':>9s} {'x prev':>7s} {'syncs':>10s} {'peak GiB':>9s}"]
+        prev = None
+        for r in self.records:
+            ms = r["step_ms"]["median"]
+            speed = f"{prev['step_ms']['median'] / ms:6.2f}x" if prev else f"{'':7s}"
+            syncs = f"{prev['host_syncs_per_step']} -> {r['host_syncs_per_step']}" if prev else str(r["host_syncs_per_step"])
+            peak = f"{r['peak_mem_bytes'] / 2**30:9.2f}" if r["peak_mem_bytes"] else f"{'–':>9s}"
+            lines.append(f"{r.get('changed') or r['setting']:40s} {ms:9.1f} {speed} {syncs:>10s} {peak}")
+            prev = r
+        return "\n".join(lines)
+
+    def breakdown(self, steps: int = 1) -> dict:
+        """Where the current setting's step goes (:func:`.breakdown.profile_steps`: ms per category, on a GPU device
+        time, on a CPU host ops' self time), after one unprofiled warm-up step. On a GPU, where the last run was of
+        this setting, re-based on its unprofiled median step (:func:`.breakdown.without_profiler`)."""
+        from .breakdown import profile_steps, without_profiler
+
+        self.model.train()
+        self._one_step(None)
+        bd = profile_steps(self.model, lambda i: self._forward_backward(), device=self.device, steps=steps,
+                           optimizer_step=self._optimizer_step)
+        last = self.records[-1] if self.records else None
+        if bd.get("activity") == "cuda" and last and last["setting"] == self.setting.label():
+            bd = without_profiler(bd, last["step_ms"]["median"])
+        return bd
+
+    def _forward_backward(self) -> None:
+        batch = self.batches[self._step % len(self.batches)]
+        self._step += 1
+        self.model(**self._inputs(batch)).loss.backward()
+
+    def _optimizer_step(self) -> None:
+        self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=True)
+
     # -- what it shows
     def table(self) -> str:
         lines = [f"{'setting':46s} {'step ms':>10s} {'syncs':>6s} {'peak GiB':>9s}"]
@@ -158,12 +218,18 @@ class Switchboard:
         import matplotlib.pyplot as plt
 
         fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-        names = [r["setting"] for r in self.records]
+        names = [r.get("changed") or r["setting"] for r in self.records]
         series = [("step ms (lower is better)", [r["step_ms"]["median"] for r in self.records]),
-                  ("host syncs per step", [r["host_syncs_per_step"] for r in self.records]),
-                  ("peak GPU memory, GiB", [(r["peak_mem_bytes"] or 0) / 2**30 for r in self.records])]
+                  ("host syncs per step (lower is better)", [r["host_syncs_per_step"] for r in self.records]),
+                  ("peak GPU memory, GiB (lower is better)",
+                   [r["peak_mem_bytes"] / 2**30 if r["peak_mem_bytes"] else None for r in self.records])]
         for ax, (title, values) in zip(axes, series):
-            ax.bar(range(len(values)), values, color="#4C72B0")
+            ax.bar(range(len(values)), [float("nan") if v is None else v for v in values], color="#4C72B0")
+            for i, v in enumerate(values):
+                if v is None:                 # not measured (a CPU has no allocator peak): missing, not zero
+                    ax.text(i, 0, "not\nmeasured", ha="center", va="bottom", fontsize=7, color="#8C8C8C")
+            if all(v is None for v in values):
+                ax.set_ylim(0, 1)
             ax.set_title(title, fontsize=9)
             ax.set_xticks(range(len(values)))
             ax.set_xticklabels(names, rotation=30, ha="right", fontsize=7)
@@ -171,9 +237,10 @@ class Switchboard:
         return fig
 
     def show(self):
-        """The panel in a notebook with a widget frontend; otherwise (or as well) the table as text."""
+        """The panel in a notebook with a widget frontend; otherwise (or as well) every run so far as text, each as
+        what changed since the run before (:meth:`changes_text`)."""
         print(f"switchboard on {type(self.model).__name__} ({self.device}); setting: {self.setting.label()}")
-        print(self.table() if self.records else "(no runs yet: press 'run' or call sb.run(n))")
+        print(self.changes_text() if self.records else "(no runs yet: press 'run' or call sb.run(n))")
         try:
             import ipywidgets as W
             from IPython.display import display
@@ -238,10 +305,15 @@ class Switchboard:
         out = self._widgets["out"]
         out.clear_output(wait=True)
         with out:
-            print(self.table())
+            print(self.changes_text())
             fig = self.figure()
             display(fig)
             plt.close(fig)
+
+
+def _word(value) -> str:
+    """A switch position in words: on/off for a flag, the value otherwise."""
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
 class _null:
