@@ -9,6 +9,7 @@ per-optimization modules (``fastsft_lab.packing``, ``.offload``, ``.moe``) have 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -181,11 +182,16 @@ def _enable_budget(model, value, args) -> None:
 
     if memory_planner(model) is not None:
         disable_memory_plan(model)
-    elif not is_offloaded(model) and getattr(base_model(model), "is_gradient_checkpointing", False):
+    elif (not is_offloaded(model) and getattr(base_model(model), "is_gradient_checkpointing", False)
+          and base_model(model) not in _WARNED_OWN_CHECKPOINTING):
+        _WARNED_OWN_CHECKPOINTING.add(base_model(model))          # once per model
         warnings.warn("memory_budget replaces the model's own gradient checkpointing with a per-layer plan; "
                       "revert() (or memory_budget='off') gives it back", stacklevel=4)
     buffers = args.get("offload_buffers") or 2
     enable_memory_plan(model, value, buffers=buffers, prefetch=args.get("prefetch"), max_tokens=args.get("max_tokens"))
+
+
+_WARNED_OWN_CHECKPOINTING: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 def _disable_budget(model) -> None:

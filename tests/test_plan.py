@@ -397,3 +397,31 @@ def test_cuda_plan_holds_its_budget_and_trains_as_plain_training(share):
         torch.testing.assert_close(loss.float(), plain.float(), rtol=2 * 2**-8, atol=0)
     finally:
         fastsft_lab.revert(model)
+
+
+def test_attribution_scenario_runs_one_cumulative_chain_checked_against_exact_packing(tmp_path):
+    from fastsft_lab.lab.scenarios import run_scenario
+
+    results = run_scenario("attribution", device="cpu", smoke=True, out_dir=str(tmp_path), steps=1, warmup=0,
+                           progress=False)
+    dense, moe = results
+    assert dense["config"]["chain"] == ["stock transformers", "+ sdpa kernel, metadata per layer",
+                                        "+ metadata cached", "+ offload, one buffer", "+ double buffer",
+                                        "+ fused loss", "+ memory plan (16 GiB)"]
+    assert moe["config"]["chain"][3:5] == ["+ experts grouped once", "+ sync-free experts"]
+    for doc in results:
+        rows = {r["name"]: r for r in doc["variants"]}
+        assert all("step_ms" in r for r in rows.values()), [r.get("error") for r in rows.values()]
+        assert rows["+ sdpa kernel, metadata per layer"]["host_syncs_in_layers"] > 0
+        assert rows["+ metadata cached"]["host_syncs_in_layers"] == 0
+        # every step after the reference computes the same numbers (exact or within float32 reordering)
+        for name in doc["config"]["chain"][2:]:
+            eq = rows[name]["equal_to_first"]
+            assert eq["bitwise"] or max(eq["loss_rel"], eq["grad_rel"]) < 1e-4, (name, eq)
+        assert set(doc["derived"]) >= {"gain_metadata_cached", "gain_double_buffer", "all_over_stock"}
+        assert "4 keep" in rows["+ memory plan (16 GiB)"]["toggles"]["plan"] or \
+            "3 keep" in rows["+ memory plan (16 GiB)"]["toggles"]["plan"]
+    # stock GPT-OSS attention over packed rows lets sequences see each other: not the same numbers
+    leak = moe["variants"][0]["equal_to_first"]
+    assert max(leak["loss_rel"], leak["grad_rel"]) > 1e-2, leak
+    assert len(list(tmp_path.glob("attribution_*.png"))) == 2

@@ -133,16 +133,23 @@ def plot_limit_gap(results: Sequence[dict], rows: Sequence[str] = ("cached", "ca
 
 
 def plot_waterfall(result: dict):
-    """From the stock path to all fast in the steps :data:`WATERFALL` names: each bar floats from the speed before it
-    to the speed after it (1.00x = transformers' default), so its height is what that step adds, and its label says
-    what changed. The other variants (TRL, the packed path without offload, the ablation: all fast without one fix)
-    stand beside it as plain bars. Returns None when nothing ran."""
+    """From the stock path to all fast in the steps :data:`WATERFALL` names -- or, for a result whose config names
+    its ``chain`` (the attribution scenario), in every step of that chain: each bar floats from the speed before it
+    to the speed after it (1.00x = the first step), so its height is what that step adds, and its label says what
+    changed. The other variants (TRL, the packed path without offload, the ablation: all fast without one fix)
+    stand beside it as plain bars. A step that failed is left out and named in the title. Returns None when
+    nothing ran."""
     plt = _plt()
     rows = {r["name"]: r for r in result["variants"] if "step_ms" in r}
-    if "transformers default" not in rows:
+    cfg = result.get("config", {})
+    chain = cfg.get("chain")
+    first = chain[0] if chain else "transformers default"
+    if first not in rows:
         return None
-    base = rows["transformers default"]["step_ms"]["median"]
-    steps = [n for n in WATERFALL if n in rows]
+    base = rows[first]["step_ms"]["median"]
+    labels = {n: n for n in chain} if chain else WATERFALL
+    steps = [n for n in labels if n in rows]
+    missing = [n for n in labels if n not in rows and n in {r["name"] for r in result["variants"]}]
     others = [n for n in rows if n not in steps]
     fig, ax = plt.subplots(figsize=(min(13.0, 1.1 * (len(steps) + len(others)) + 3), 4.8))
     prev = None
@@ -164,14 +171,14 @@ def plot_waterfall(result: dict):
                     va="bottom", fontsize=7)
     ticks = list(range(len(steps))) + [len(steps) + 0.5 + j for j in range(len(others))]
     ax.set_xticks(ticks)
-    ax.set_xticklabels([WATERFALL[n] for n in steps] + others, rotation=22, ha="right", fontsize=7)
+    ax.set_xticklabels([labels[n] for n in steps] + others, rotation=22, ha="right", fontsize=7)
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-    ax.set_ylabel(f"step speed vs transformers' default ({HIGHER})", fontsize=8)
+    ax.set_ylabel(f"step speed vs {first} ({HIGHER})", fontsize=8)
     ax.margins(y=0.15)
-    cfg = result.get("config", {})
-    ax.set_title(f"all three together: {cfg.get('model')} x{cfg.get('num_layers')} layers | {cfg.get('tokens_per_step')} "
+    what = "where each gain comes from" if chain else "all three together"
+    ax.set_title(f"{what}: {cfg.get('model')} x{cfg.get('num_layers')} layers | {cfg.get('tokens_per_step')} "
                  f"tokens/step | kernels {cfg.get('kernels')} | autocast {cfg.get('autocast', 'none')} | "
-                 f"{_where(result)}", fontsize=9)
+                 f"{_where(result)}" + (f"\nfailed, not drawn: {', '.join(missing)}" if missing else ""), fontsize=9)
     fig.tight_layout()
     return fig
 

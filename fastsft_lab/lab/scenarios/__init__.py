@@ -1,5 +1,6 @@
 """The benchmark scenarios, one file each (``python -m fastsft_lab bench --only NAME``)."""
 
+from .attribution import AttributionScenario
 from .breakdown import BreakdownScenario
 from .budget import BudgetScenario
 from .combined import CombinedScenario
@@ -14,9 +15,10 @@ SCENARIOS[BreakdownScenario.name] = BreakdownScenario()      # after combined, w
 SCENARIOS[OffloadLinkScenario.name] = OffloadLinkScenario()  # after offload, whose variants it reuses
 SCENARIOS[DistributedScenario.name] = DistributedScenario()
 SCENARIOS[BudgetScenario.name] = BudgetScenario()
+SCENARIOS[AttributionScenario.name] = AttributionScenario()
 
 __all__ = ["SCENARIOS", "PackedScenario", "OffloadScenario", "MoeScenario", "CombinedScenario", "DistributedScenario",
-           "BudgetScenario"]
+           "BudgetScenario", "AttributionScenario"]
 
 
 def run_scenario(name: str, *, device, smoke: bool, out_dir: str, steps: int | None = None,

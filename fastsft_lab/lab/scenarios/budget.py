@@ -69,11 +69,13 @@ def budgets_between(lo: int, hi: int, points: int) -> list[int]:
     return [lo + (hi - lo) * i // (points - 1) for i in range(points)]
 
 
-def _calibrate(model, batch, autocast) -> P.MemoryPlanner:
-    """apply(memory_budget=...)'s own measurement: step 1 measures, step 2 solves (no optimizer step)."""
+def calibrate(model, batch, autocast: str, budget_gib: float | None = None) -> P.MemoryPlanner:
+    """apply(memory_budget=...)'s own measurement on ``batch``: step 1 measures, step 2 solves (no optimizer step).
+    Returns the planner (its costs, and the plan for ``budget_gib``, default the device's whole memory); the plan
+    stays on the model until ``apply(model, memory_budget="off")``."""
     device = batch.input_ids.device
     total, _ = P.device_memory(device)
-    toggles.apply(model, memory_budget=_gib(total) if total else 1024)
+    toggles.apply(model, memory_budget=budget_gib if budget_gib is not None else (_gib(total) if total else 1024))
     (variant,) = with_autocast([Variant("calibration")], autocast)
     for _ in range(2):
         with variant.context(model) if variant.context else torch.enable_grad():
@@ -155,7 +157,7 @@ class BudgetScenario(Scenario):
         for tokens in opts.tokens:
             batches = [b.to(device) for b in benchmark_batches(tokens_per_step=tokens, row_tokens=opts.row_tokens,
                                                                steps=2, vocab_size=model.config.vocab_size)]
-            planner = _calibrate(model, batches[0], opts.autocast)
+            planner = calibrate(model, batches[0], opts.autocast)
             costs, base, staging = dict(planner.costs), planner.base(tokens), planner.staging
             full = [planner.costs[k].at(tokens) for k in planner.kinds]
             keep_all = base + sum(c.held["keep"] for c in full) - staging
@@ -195,4 +197,4 @@ class BudgetScenario(Scenario):
         return results
 
 
-__all__ = ["BudgetScenario", "BudgetOptions", "budgets_between", "derived", "size"]
+__all__ = ["BudgetScenario", "BudgetOptions", "budgets_between", "calibrate", "derived", "size"]
