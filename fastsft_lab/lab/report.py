@@ -876,6 +876,46 @@ def config_header(doc: dict, where: str | None = None) -> str:
             f"{where if where is not None else R.describe_run(doc)}")
 
 
+# What the source article published for each fix (Unsloth's blog post on packed-sequence training), by the
+# attribution chain's step names: its regime was a B200/H100, transformers of its time, Qwen3-14B QLoRA / GPT-OSS-20B.
+PUBLISHED_STEP = {"+ metadata cached": "+14.3% per batch, +43.3% forward (Qwen3-14B QLoRA)",
+                  "+ sync-free experts": "+23% forward, grouped + sync-free together (GPT-OSS)",
+                  "+ double buffer": "~8% (for < 0.5 GB of VRAM)"}
+
+
+def attribution_text(doc: dict) -> str:
+    """The attribution chain of one result (scenario ``attribution``) as a table: each step's median step time
+    [p20-p80], its speed over the step before and over stock ("x": higher is faster; ``~`` where the two spreads
+    overlap), and the published figure for that fix where there is one. A failed step says so and the next one is
+    not compared with it."""
+    from .harness import spreads_overlap
+
+    rows = {r["name"]: r for r in doc["variants"]}
+    chain = doc["config"]["chain"]
+    stock = rows.get(chain[0], {})
+    out = [config_header(doc),
+           f"  {'step':36s} {'step ms':>22s} {'vs step before':>15s} {'vs stock':>9s}  published"]
+    prev = None
+    for name in chain:
+        r = rows.get(name, {})
+        if "step_ms" not in r:
+            out.append(f"  {name:36s} {'failed: ' + str(r.get('error', 'not run'))[:60]}")
+            prev = None
+            continue
+        ms = r["step_ms"]
+        step = f"{ms['median']:.1f} [{ms['p20']:.1f}-{ms['p80']:.1f}]"
+        if prev is None:
+            before = "–"
+        else:
+            tilde = "~" if spreads_overlap(prev["step_ms"], ms) else " "
+            before = f"{prev['step_ms']['median'] / ms['median']:.2f}x{tilde}"
+        over = f"{stock['step_ms']['median'] / ms['median']:.2f}x" if "step_ms" in stock else "–"
+        out.append(f"  {name:36s} {step:>22s} {before:>15s} {over:>9s}  {PUBLISHED_STEP.get(name, '')}".rstrip())
+        prev = r
+    out.append("  ~: the two steps' p20-p80 spreads overlap: this run does not tell them apart")
+    return "\n".join(out)
+
+
 def peer_text(peer: list[dict], same: list[dict]) -> str:
     """One comparison of :func:`.results.peer_results` as text: the peer's rows and ours from the same session
     (step ms, peak GiB, host syncs; each of our rows names its kernel floor and autocast), who leads by medians and by
@@ -1001,7 +1041,7 @@ def write_readme(paths=DOCS) -> str:
     return ", ".join(str(p) for p in paths)
 
 
-__all__ = ["TABLES", "combined_summary", "PUBLISHED_GLUE_GAIN", "config_header", "peer_text",
+__all__ = ["TABLES", "combined_summary", "attribution_text", "PUBLISHED_STEP", "PUBLISHED_GLUE_GAIN", "config_header", "peer_text",
            "breakdown_text", "loss_curves_text", "moe_runs_text", "experts_profile_text", "offload_derived_text", "offload_overlap_text",
            "offload_vram_text", "offload_sweep_text", "offload_link_text", "packed_configs_text",
            "packed_findings_text", "packed_variants_text", "packed_regime_text", "packed_collated_text", "MOE_DEFAULT", "render", "write_readme", "write_headline_chart", "headline_rows", "headline_table", "README",
