@@ -47,6 +47,10 @@ CASES: dict[str, tuple] = {
     "ddp-gpt-oss-router-loss-global": ("ddp", "tiny-gpt-oss", True,
                                        dict(packed_attention="sdpa", offload_buffers=2, fused_loss=True,
                                             moe_routing="sync_free"), True, "global"),
+    # the memory plan's first step under DDP: each kind of layer measured inside the forward (autograd.grad on the
+    # layer's own inputs and parameters: no gradient accumulated, DDP's reducer untouched), every layer offloaded
+    "ddp-qwen3-lora-memory-plan": ("ddp", "tiny-qwen3", True,
+                                   dict(packed_attention="sdpa", memory_budget=16, fused_loss=True), True),
     # TRL's padding-free collator on each rank's sequences (one flattened row per rank, seq_idx and cu_seq_lens)
     "ddp-qwen3-trl-padding-free": ("ddp", "tiny-qwen3", True,
                                    dict(packed_attention="sdpa", offload_buffers=2, fused_loss=True), True, None,
