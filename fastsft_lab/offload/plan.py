@@ -378,6 +378,19 @@ class MemoryPlanner:
     def call(self, index: int, function: Callable, args: tuple, kwargs: dict) -> Any:
         if not torch.is_grad_enabled():
             return function(*args)
+        choice, unsaved = self._choose(index, function, args)
+        if choice == "keep":
+            return function(*args)
+        if choice == "selective":
+            return selective_checkpoint(function, *args, unsaved=unsaved)
+        if choice == "checkpoint":
+            return full_checkpoint(function, *args)
+        return self.offload[index](function, *args, **kwargs)
+
+    @torch.compiler.disable
+    def _choose(self, index: int, function: Callable, args: tuple) -> tuple[str, frozenset]:
+        """Layer ``index``'s choice for this call (host bookkeeping, run eagerly under ``torch.compile``): step 1
+        measures and offloads, later steps follow the plan, solved at step 2 and again for a larger batch."""
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if index == 0 and x is not None:
             self._step_start(x)
@@ -389,15 +402,9 @@ class MemoryPlanner:
                               [p for p in layer.parameters() if p.requires_grad] if layer is not None else [])
                 if index == 0:
                     self._check_floor()
-            return self.offload[index](function, *args, **kwargs)
+            return "offload", frozenset()
         choice = self.plan.choices[index]
-        if choice == "keep":
-            return function(*args)
-        if choice == "selective":
-            return selective_checkpoint(function, *args, unsaved=self._unsaved(index, function, args))
-        if choice == "checkpoint":
-            return full_checkpoint(function, *args)
-        return self.offload[index](function, *args, **kwargs)
+        return choice, self._unsaved(index, function, args) if choice == "selective" else frozenset()
 
     def _unsaved(self, index: int, function: Callable, args: tuple) -> frozenset:
         cost = self.costs.get(self.kinds[index])
