@@ -444,3 +444,23 @@ def test_the_plan_under_torch_compile_equals_plain_training():
     finally:
         fastsft_lab.revert(compiled)
         torch.compiler.reset()
+
+
+def test_a_solved_plan_pays_no_host_sync_in_the_layers():
+    from fastsft_lab.packing import packed_inputs
+    from fastsft_lab.profiling import SyncCounter
+
+    model = _model("tiny-gpt-oss", True)
+    batch = benchmark_batches(tokens_per_step=192, row_tokens=96, steps=1, vocab_size=256, mix="short")[0]
+    fastsft_lab.apply(model, packed_attention="sdpa", moe_routing="sync_free", fused_loss=True, memory_budget=16)
+    try:
+        for _ in range(2):                         # step 1 measures (it syncs to time), step 2 solves
+            model(**packed_inputs(batch)).loss.backward()
+        for choices in (P.memory_planner(model).plan.choices, PLANS["mixed"]):
+            P.set_plan(model, choices)
+            with SyncCounter.for_decoder_layers(model, device="cpu") as syncs:
+                model(**packed_inputs(batch)).loss.backward()
+            assert syncs.in_modules == 0, (choices, dict(syncs.by_kind))
+    finally:
+        model.zero_grad(set_to_none=True)
+        fastsft_lab.revert(model)
