@@ -241,3 +241,23 @@ def test_every_variant_is_checked_against_the_first_at_the_same_weights(tiny):
 
     assert "vs ref" in table and table.split("same")[1].splitlines()[0].endswith("bitwise")
     assert re.search(r"\d\.\de[+-]\d\d$", table.split("nudged")[1].splitlines()[0])
+
+
+def test_offload_rows_count_the_bytes_one_step_copies(tiny):
+    from fastsft_lab.lab.harness import _fmt_copied
+    from fastsft_lab.lab.scenarios.offload import _OffloadToggle
+
+    model, batches = tiny
+    toggle = _OffloadToggle(2, True, False)
+    inputs = batches[0].model_inputs()
+    per_step = None
+    for _ in range(2):                       # the counters are the last step's, not the manager's running total
+        toggle.enable(model)
+        model(**inputs).loss.backward()
+        model.zero_grad(set_to_none=True)
+        toggle.disable(model)
+        want = model.config.num_hidden_layers * inputs["input_ids"].numel() * model.config.hidden_size * 4
+        assert toggle.last_stats["bytes_saved"] == toggle.last_stats["bytes_reloaded"] == want, toggle.last_stats
+        per_step = per_step or dict(toggle.last_stats)
+        assert toggle.last_stats == per_step
+    assert _fmt_copied(toggle.last_stats) == f"{2 * want / 2**20:.2f}" and _fmt_copied(None) == "-"

@@ -380,6 +380,13 @@ def compare_to_first(model: nn.Module, batch: PackedBatch, variants: Sequence[Va
     return out
 
 
+def _fmt_copied(stats: dict | None) -> str:
+    """Bytes the offload copied in one step (device->host + host->device), in MiB."""
+    if not stats or "bytes_saved" not in stats:
+        return "-"
+    return f"{(stats['bytes_saved'] + stats['bytes_reloaded']) / 2**20:.2f}"
+
+
 def _fmt_equal(eq) -> str:
     if eq is None:
         return "ref"
@@ -452,14 +459,16 @@ def format_table(result: dict) -> str:
     """A short text table: median [p20-p80] per phase, the step's speed against the first variant (higher is
     better; ``~`` where the two p20-p80 spreads overlap, so this run does not tell them apart), MFU, host syncs per
     step (and how many of them inside the decoder layers), packed-metadata objects built in the step, peak GPU
-    memory, and (``vs ref``) one step's loss and gradients at the same weights against the reference variant's:
+    memory, the bytes offloaded checkpointing copied in one step (``copied MiB``, where a row has them), and
+    (``vs ref``) one step's loss and gradients at the same weights against the reference variant's:
     ``bitwise`` or the largest relative difference. A skipped variant is one quiet line, an error says so."""
     rows = result["variants"]
     base = next((r for r in rows if "step_ms" in r), None)
     w = max([28] + [len(r["name"]) for r in rows])
     head = f"{'variant':{w}s} {'forward ms':>22s} {'backward ms':>22s} {'step ms':>22s} {'x step':>8s} " \
            f"{'MFU':>6s} {'syncs/step':>10s} {'(in layers)':>11s} {'meta builds':>11s} {'peak GiB':>8s}" \
-           + (f" {'vs ref':>8s}" if any("equal_to_first" in r for r in rows) else "")
+           + (f" {'vs ref':>8s}" if any("equal_to_first" in r for r in rows) else "") \
+           + (f" {'copied MiB':>10s}" if any("offload_stats_last_step" in r for r in rows) else "")
     lines = [head, "-" * len(head)]
     overlaps = False
     for r in rows:
@@ -481,6 +490,8 @@ def format_table(result: dict) -> str:
             f"{str(r.get('metadata_builds_per_step') if r.get('metadata_builds_per_step') is not None else '-'):>11s} "
             f"{f'{peak / 2**30:8.2f}' if peak else '-':>8s}"
             + (f" {_fmt_equal(r['equal_to_first']):>8s}" if "equal_to_first" in r else "")
+            + (f" {_fmt_copied(r.get('offload_stats_last_step')):>10s}"
+               if any("offload_stats_last_step" in x for x in rows) else "")
         )
     if overlaps:
         lines.append(f"~ the step's p20-p80 overlaps {base['name']}'s: this run does not tell the two apart")

@@ -66,6 +66,8 @@ class OffloadStats:
     prefetches: int = 0         # reloads issued ahead, for the next layer
     prefetch_hits: int = 0      # backwards that found their input already staged
     fallbacks: int = 0          # times a staging buffer could not be allocated and its slot was dropped
+    bytes_saved: int = 0        # device->host bytes copied (forward)
+    bytes_reloaded: int = 0     # host->device bytes copied (backward)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -220,6 +222,7 @@ class OffloadManager:
             ops.record_stream(src, inp, stream)
         ops.free("compute", inp)                 # from here on the caller may drop x
         self.stats.saves += 1
+        self.stats.bytes_saved += nbytes
         with self._lock:
             self._pending[seq] = weakref.ref(entry, functools.partial(self._forget, seq))
         return entry
@@ -289,6 +292,7 @@ class OffloadManager:
         ops.record(("ready", slot), "copy")
         self._owner[slot] = entry.seq
         self.stats.reloads += 1
+        self.stats.bytes_reloaded += entry.nbytes
 
     def _load_with_fallback(self, entry: Entry, slot: int, *, prefetch: bool) -> bool:
         """Load, surviving an out-of-memory while another slot's buffer exists. Returns whether it was loaded.

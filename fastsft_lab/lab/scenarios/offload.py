@@ -67,16 +67,20 @@ class _SaveOnCpuStep:
 
 
 class _OffloadToggle:
-    """enable/disable of one offload mode for the harness; keeps the manager's memory figures of the last step."""
+    """enable/disable of one offload mode for the harness; keeps the manager's memory figures and its counters
+    (copies, bytes copied, prefetch hits) of the last step it was on for."""
 
     def __init__(self, buffers: int, prefetch: bool, serial: bool):
         self.buffers, self.prefetch, self.serial = buffers, prefetch, serial
         self.last_memory: dict = {}
         self.last_stats: dict = {}
+        self._stats_before: dict = {}
 
     def enable(self, model: nn.Module) -> None:
         streams = SerialForwardCopies(model_device(model)) if self.serial else None
         enable_offloaded_checkpointing(model, self.buffers, self.prefetch, streams=streams)
+        manager = offload_manager(model)
+        self._stats_before = manager.stats.as_dict() if manager is not None else {}
 
     def disable(self, model: nn.Module) -> None:
         manager = offload_manager(model)
@@ -84,7 +88,8 @@ class _OffloadToggle:
             mem = manager.memory()
             if mem["staging_bytes"]:
                 self.last_memory = mem
-            self.last_stats = manager.stats.as_dict()
+            now = manager.stats.as_dict()
+            self.last_stats = {k: v - self._stats_before.get(k, 0) for k, v in now.items()}
         disable_offloaded_checkpointing(model)
 
 
