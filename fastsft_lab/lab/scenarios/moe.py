@@ -20,11 +20,12 @@ from ...data import benchmark_batches
 from ...families import get_family
 from ...models import LoraSettings, build_model, decoder_layers, get_preset
 from ...moe import experts_modules, fused_glu_available, group_by_expert, grouped_mm, grouped_mm_unavailable, moe_routing
-from ...moe import IMPLEMENTATIONS, quantize_experts_nf4, set_fused_glu, set_moe_routing, nf4_expert_bytes
+from ...moe import IMPLEMENTATIONS, quantize_experts_nf4, set_fused_glu, nf4_expert_bytes
 from ...moe.gate import is_gpt_oss_gate, is_silu_gate
 from ...moe.kernels import set_fused_combine
 from ...moe.nf4 import NF4_ATTR, NF4Weight, expert_weight, is_nf4, mat_b
 from ...profiling import SyncCounter, time_ms
+from ...toggles import apply
 from ..harness import Variant, default_inputs, format_table, make_result, run_variants, write_json
 from ..plots import plot_result, save_figure
 from ..scenario import OptionError, Scenario, option
@@ -217,10 +218,10 @@ def routing_variants(model_family: str = "gpt_oss", inputs: Callable | None = No
     inputs = inputs or default_inputs
 
     def switch(mode):
-        return lambda m: set_moe_routing(m, mode)
+        return lambda m: apply(m, moe_routing=mode)
 
     def off(m):
-        set_moe_routing(m, None)
+        apply(m, moe_routing="off")
 
     cls = get_family(model_family).experts.class_name
     return [
@@ -371,9 +372,9 @@ def _bench(plan: _Plan) -> list[dict]:
     attention = info.attn_implementation
     inputs_fn = None
     if plan.packed_backend:
-        from ...packing import attn_implementation_name, enable_packed_attention, packed_inputs
+        from ...packing import attn_implementation_name, packed_inputs
 
-        enable_packed_attention(model, backend=plan.packed_backend)
+        apply(model, packed_attention=plan.packed_backend)
         attention = f"packed:{plan.packed_backend} ({attn_implementation_name(plan.packed_backend)})"
         inputs_fn = lambda batch, state=None: packed_inputs(batch)  # noqa: E731 - metadata built once
     build_s = time.time() - t0

@@ -78,6 +78,7 @@ class _OffloadToggle:
 
     def enable(self, model: nn.Module) -> None:
         streams = SerialForwardCopies(model_device(model)) if self.serial else None
+        # the offload module's own switch, not apply: its streams= seam (serialised copies) is not apply's to offer
         enable_offloaded_checkpointing(model, self.buffers, self.prefetch, streams=streams)
         manager = offload_manager(model)
         self._stats_before = manager.stats.as_dict() if manager is not None else {}

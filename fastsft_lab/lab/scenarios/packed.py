@@ -24,8 +24,9 @@ from torch import nn
 from ...data import PackedBatch, benchmark_batches
 from ...families import get_family
 from ...models import LoraSettings, base_model, build_model, family_of, get_preset
-from ...packing import (BACKENDS, PackedMetadata, available_backends, disable_packed_attention,
-                        enable_packed_attention, get_backend, packed_inputs, prebuild_metadata, prepare_metadata)
+from ...packing import (BACKENDS, PackedMetadata, available_backends, get_backend, packed_inputs, prebuild_metadata,
+                        prepare_metadata)
+from ...toggles import apply
 from ..harness import Variant, format_table, make_result, run_variants, write_json
 from ..plots import plot_regime, plot_result, save_figure
 from ..scenario import OptionError, Scenario, option
@@ -48,7 +49,10 @@ def packed_variants(model: nn.Module, backend: str, device: torch.device, *, sto
     b = get_backend(backend)
 
     def on(cache: bool):
-        return lambda m: enable_packed_attention(m, backend, cache=cache, check_available=False)
+        return lambda m: apply(m, packed_attention=backend, packed_metadata_cache=cache)
+
+    def off(m):
+        apply(m, packed_attention="off")
 
     def prepared(batch: PackedBatch) -> PackedMetadata:
         meta = prepare_metadata(PackedMetadata.from_batch(batch), device, backend=backend, dtype=dtype,
@@ -64,18 +68,18 @@ def packed_variants(model: nn.Module, backend: str, device: torch.device, *, sto
 
     variants = [
         Variant(f"{backend} naive", {"attn_implementation": b.attn_name, "packed_metadata_cache": False}, on(False),
-                disable_packed_attention, None, lambda bt, s: bt.model_inputs(),
+                off, None, lambda bt, s: bt.model_inputs(),
                 note=f"metadata rebuilt from position_ids in every layer (and again in each checkpoint recompute); "
                      f"syncs per layer: {b.naive_syncs}. Faithful to transformers' flash-attention packed path "
                      f"(modeling_flash_attention_utils) and Unsloth's pre-cache utils/packing.py builders."),
         Variant(f"{backend} cached", {"attn_implementation": b.attn_name, "packed_metadata_cache": True}, on(True),
-                disable_packed_attention, None, lambda bt, s: packed_inputs(bt),
+                off, None, lambda bt, s: packed_inputs(bt),
                 note="PackedMetadata built from the packer's host lengths inside the timed step; device tensors "
                      "(one pinned non-blocking copy) and the backend object built lazily by the first layer, then "
                      "reused by every layer and by the checkpoint recompute. 0 syncs."),
         Variant(f"{backend} oracle", {"attn_implementation": b.attn_name, "packed_metadata_cache": True,
                                       "oracle": True},
-                on(True), disable_packed_attention, prepared,
+                on(True), off, prepared,
                 lambda bt, s: {**bt.model_inputs(), "packed_metadata": s},
                 note="everything prebuilt outside the timed region (Variant.prepare): the zero-overhead limit."),
     ]
@@ -83,7 +87,7 @@ def packed_variants(model: nn.Module, backend: str, device: torch.device, *, sto
         variants.insert(2, Variant(
             f"{backend} cached (collated)", {"attn_implementation": b.attn_name, "packed_metadata_cache": True,
                                              "collated": True},
-            on(True), disable_packed_attention, collated_meta,
+            on(True), off, collated_meta,
             lambda bt, s: {**bt.model_inputs(), "packed_metadata": s.to(device, non_blocking=True)},
             note="PackedCollator(prebuild=backend): host side (cu_seqlens, seq/position ids, the backend's tables) "
                  "built and pinned outside the timed region, as DataLoader workers and pin_memory=True do; the "
@@ -93,7 +97,7 @@ def packed_variants(model: nn.Module, backend: str, device: torch.device, *, sto
         variants = variants[1:]
     if stock:
         def stock_on(m, impl=stock):
-            disable_packed_attention(m)
+            apply(m, packed_attention="off")
             base = base_model(m)
             base._fastsft_stock_prev = base.config._attn_implementation
             if base.config._attn_implementation != impl:
