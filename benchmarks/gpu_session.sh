@@ -15,7 +15,7 @@
 #                     extra flags from $EXPERTS_ARGS
 #   notebooks         execute the notebooks ($NOTEBOOKS, default all) with SMOKE=0 into place
 #   soak              benchmarks/soak.py (long all-fast run: memory slopes, forced OOM fallback, loss curves)
-#   unsloth           benchmarks/unsloth_peer.py in its own site folder (.whl-unsloth)
+#   unsloth           benchmarks/unsloth_peer.sh: benchmarks/unsloth_peer/ in its own site folder (.whl-unsloth)
 #
 # RUN names the results folder (default h200-<UTC date>). Everything comes back as one tarball, $OUT/session.tgz
 # (the device returns at most a few files): benchmarks/results/$RUN and the executed notebooks, rewritten after every

@@ -5,8 +5,9 @@
 #   bash benchmarks/unsloth_peer.sh RESULTS_DIR
 #
 # 1. installs .whl-unsloth into its own site folder ($UNSLOTH_SITE, default /tmp/site-unsloth);
-# 2. exports the shared inputs in OUR environment (benchmarks/unsloth_peer.py export -> $UNSLOTH_PEER_EXPORT_DIR);
-# 3. runs benchmarks/unsloth_peer.py run in the UNSLOTH environment (PYTHONPATH=$UNSLOTH_SITE:$PWD, never our
+# 2. exports the shared inputs in OUR environment (python -m benchmarks.unsloth_peer export ->
+#    $UNSLOTH_PEER_EXPORT_DIR);
+# 3. runs python -m benchmarks.unsloth_peer run in the UNSLOTH environment (PYTHONPATH=$UNSLOTH_SITE:$PWD, never our
 #    site folder), once with the double buffer on and once off, each in its own process under its own timeout;
 #    a failing run does not stop the other; each writes
 #    RESULTS_DIR/unsloth-<model>-L<layers>-<tokens>-db{on,off}.json (GPT-OSS: ...-<tokens>-<layout>-db{on,off}.json;
@@ -32,7 +33,7 @@ set -uo pipefail
 R=${1:?usage: bash benchmarks/unsloth_peer.sh RESULTS_DIR}
 mkdir -p "$R"
 PY=${PYTHON:-python3}
-SCRIPT=benchmarks/unsloth_peer.py
+PEER=benchmarks.unsloth_peer   # the package benchmarks/unsloth_peer/, run as `"$PY" -m $PEER` from the repo root
 SITE=${UNSLOTH_SITE:-/tmp/site-unsloth}
 WHEELS=${UNSLOTH_WHEELS:-.whl-unsloth}
 MODEL=${UNSLOTH_PEER_MODEL:-qwen3-14b}
@@ -90,7 +91,7 @@ out_of() { echo "$R/$STEM-db$1.json"; }
 fail_run() {
   local db=$1 msg=$2 out E="stage script: writing the error result failed"
   out=$(out_of "$db")
-  PYTHONPATH="$SITE:$PWD" "$PY" "$SCRIPT" error-json --out "$out" --double-buffer "$db" --message "$msg" \
+  PYTHONPATH="$SITE:$PWD" "$PY" -m "$PEER" error-json --out "$out" --double-buffer "$db" --message "$msg" \
     || printf '{"scenario": "peer-unsloth", "env": {}, "config": {}, "error": "%s",
   "variants": [{"name": "unsloth (double buffer %s)", "error": "%s"}]}\n' "$E" "$db" "$E" > "$out"
 }
@@ -101,7 +102,7 @@ finish() {
   local status=0 db
   log "summary ($STEM, $((SECONDS - START)) s):"
   for db in $DBS; do
-    PYTHONPATH="$SITE:$PWD" "$PY" "$SCRIPT" summary "$(out_of "$db")" || status=1
+    PYTHONPATH="$SITE:$PWD" "$PY" -m "$PEER" summary "$(out_of "$db")" || status=1
   done
   if [ "${UNSLOTH_PEER_KEEP:-0}" != "1" ]; then
     rm -f "$EXPORT_DIR"/*.safetensors
@@ -137,7 +138,7 @@ else
   t=$EXPORT_MAX; [ "$(($(left) - 240))" -lt "$t" ] && t=$(($(left) - 240)); [ "$t" -lt 60 ] && t=60
   log "export (our environment, timeout ${t}s) -> $EXPORT_DIR, log $R/unsloth-export-$MODEL.log"
   PYTHONPATH="$OUR_PYTHONPATH" PYTHONUNBUFFERED=1 timeout --foreground -s INT -k 20 "$t" \
-    "$PY" "$SCRIPT" export --out "$EXPORT_DIR" --model "$MODEL" --num-layers "$LAYERS" --tokens "$TOKENS" \
+    "$PY" -m "$PEER" export --out "$EXPORT_DIR" --model "$MODEL" --num-layers "$LAYERS" --tokens "$TOKENS" \
     --row-tokens "$ROW_TOKENS" --steps "$STEPS" --mix "$MIX" --lora-rank "$RANK" > "$R/unsloth-export-$MODEL.log" 2>&1
   rc=$?
   if [ "$rc" != 0 ] || [ ! -f "$EXPORT_DIR/meta.json" ]; then
@@ -168,7 +169,7 @@ for db in $DBS; do
   env -u PYTHONPATH PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
     HF_DATASETS_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1 UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_compiled_cache \
     TOKENIZERS_PARALLELISM=false UNSLOTH_PEER_TIMEOUT_S="$t" \
-    timeout --foreground -s INT -k 30 "$t" "$PY" "$SCRIPT" run --dir "$EXPORT_DIR" --out "$out" \
+    timeout --foreground -s INT -k 30 "$t" "$PY" -m "$PEER" run --dir "$EXPORT_DIR" --out "$out" \
     --double-buffer "$db" --warmup "$WARMUP" --layout "$LAYOUT" ${UNSLOTH_PEER_RUN_ARGS:-} > "$logf" 2>&1
   rc=$?
   if ! grep -q '"scenario"' "$out" 2>/dev/null; then

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Iterable, Sequence
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -24,6 +24,17 @@ def quantile(sorted_values: Sequence[float], p: float) -> float:
     lo = int(x)
     hi = min(lo + 1, len(sorted_values) - 1)
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (x - lo)
+
+
+def percentiles(values: Iterable[float]) -> dict[str, float]:
+    """median, p20, p80 (linear interpolation) and n, rounded as the harness reports them; NaNs and n=0 for no
+    values. Torch-free: ``benchmarks/unsloth_peer`` imports it in Unsloth's environment (re-exported by
+    ``fastsft_lab.profiling``)."""
+    v = sorted(values)
+    if not v:
+        return {"median": float("nan"), "p20": float("nan"), "p80": float("nan"), "n": 0}
+    return {"median": round(quantile(v, 0.5), 4), "p20": round(quantile(v, 0.2), 4),
+            "p80": round(quantile(v, 0.8), 4), "n": len(v)}
 
 
 class KernelSwitch:

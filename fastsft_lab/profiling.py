@@ -24,13 +24,13 @@ import time
 import warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from ._compat import TorchDispatchMode
-from ._util import quantile
+from ._util import percentiles  # the one implementation, torch-free (the Unsloth peer imports it too)
 
 aten = torch.ops.aten
 
@@ -365,15 +365,6 @@ def current_memory(device: torch.device | str | None = None) -> int | None:
     if torch.cuda.is_available() and (device is None or device.type == "cuda"):
         return int(torch.cuda.memory_allocated(device))
     return None
-
-
-def percentiles(values: Iterable[float]) -> dict[str, float]:
-    """median, p20, p80 (linear interpolation), as the harness reports them."""
-    v = sorted(values)
-    if not v:
-        return {"median": float("nan"), "p20": float("nan"), "p80": float("nan"), "n": 0}
-    return {"median": round(quantile(v, 0.5), 4), "p20": round(quantile(v, 0.2), 4),
-            "p80": round(quantile(v, 0.8), 4), "n": len(v)}
 
 
 def time_ms(fn: Callable[[], object], device: torch.device | str, warmup: int, reps: int) -> dict:

@@ -1,13 +1,13 @@
-"""benchmarks/unsloth_peer.py on the CPU: the export loads back offline, its batches round-trip, its statistics are
-the harness's, and `run` without Unsloth fails with one clear line and an error result."""
+"""benchmarks/unsloth_peer/ on the CPU: the export loads back offline, its batches round-trip, its statistics are
+the harness's own function, importing it pulls in neither torch nor transformers, and `python -m
+benchmarks.unsloth_peer run` without Unsloth fails with one clear line and an error result."""
 
 from __future__ import annotations
 
-import importlib.util
+import ast
+import importlib
 import json
-import math
 import pathlib
-import random
 import subprocess
 import sys
 
@@ -15,18 +15,20 @@ import pytest
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "unsloth_peer.py"
+PACKAGE = ROOT / "benchmarks" / "unsloth_peer"
+ENTRY = "benchmarks.unsloth_peer"   # `python -m benchmarks.unsloth_peer`, from the repo root (unsloth_peer.sh)
 TOKENS, STEPS, LAYERS = 256, 2, 2
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("unsloth_peer", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def _load_package():
+    if str(ROOT) not in sys.path:   # what `python -m` from the repo root gives the stage script
+        sys.path.append(str(ROOT))
+    module = importlib.import_module(ENTRY)
+    assert pathlib.Path(module.__file__).resolve() == PACKAGE / "__init__.py"
     return module
 
 
-peer = _load_script()
+peer = _load_package()
 
 
 @pytest.fixture(scope="module")
@@ -99,29 +101,42 @@ def test_incomplete_export_is_refused_with_the_export_error(tmp_path):
         peer.read_export(str(tmp_path))
 
 
-@pytest.mark.parametrize("values", [[], [4.0], [3.0, 1.0, 2.0], [2.0, 2.0, 2.0, 2.0], [0.1, 1e3, 7.25, -2.0, 5.5],
-                                    "random7", "random10", "random31"])
-def test_percentiles_equal_the_harness(values):
-    from fastsft_lab.profiling import percentiles
+def test_statistics_are_the_harness_function_itself():
+    """No copy of the harness's statistics: the peer's percentiles are ``fastsft_lab.profiling.percentiles`` (defined
+    once, torch-free, in ``fastsft_lab._util``), and no module of the package defines its own."""
+    import fastsft_lab._util
+    import fastsft_lab.profiling
 
-    if isinstance(values, str):
-        rng = random.Random(len(values))
-        values = [rng.uniform(10, 2000) for _ in range(int(values[6:]))]
-    ours, theirs = peer.percentiles(values), percentiles(values)
-    assert set(ours) == set(theirs) == {"median", "p20", "p80", "n"}
-    for key in ours:
-        if isinstance(theirs[key], float) and math.isnan(theirs[key]):
-            assert math.isnan(ours[key])
-        else:
-            assert ours[key] == theirs[key], key
+    assert peer.percentiles is fastsft_lab.profiling.percentiles is fastsft_lab._util.percentiles
+    assert importlib.import_module(f"{ENTRY}.stats").percentiles is fastsft_lab.profiling.percentiles
+    own = {f"{path.name}:{node.name}" for path in sorted(PACKAGE.glob("*.py"))
+           for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.FunctionDef)
+           and ("quantile" in node.name or "percentile" in node.name)}
+    assert own == set(), own
+    assert peer.percentiles([3.0, 1.0, 2.0]) == {"median": 2.0, "p20": 1.4, "p80": 2.6, "n": 3}
+
+
+def test_importing_the_package_imports_neither_torch_nor_transformers():
+    """Unsloth must be imported before transformers (it patches it): the package's import, and the statistics it
+    takes from fastsft_lab, stay on the standard library."""
+    code = (f"import sys, {ENTRY}; print(sorted(n for n in ('torch', 'transformers', 'peft', 'numpy') "
+            "if n in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+    usage = subprocess.run([sys.executable, "-m", ENTRY, "--help"], capture_output=True, text=True, timeout=60,
+                           cwd=ROOT)
+    assert usage.returncode == 0 and "python -m benchmarks.unsloth_peer" in usage.stdout, usage.stderr
+    for command in ("export", "run", "error-json", "summary"):
+        assert command in usage.stdout
 
 
 def _run_without_unsloth(folder, result, *flags):
-    """``unsloth_peer.py run`` in a subprocess as if unsloth were not installed, whatever this environment holds
-    (``import unsloth`` raises ModuleNotFoundError)."""
-    argv = ["unsloth_peer.py", "run", "--dir", str(folder), "--out", str(result), *flags]
+    """``python -m benchmarks.unsloth_peer run`` in a subprocess from the repo root as if unsloth were not
+    installed, whatever this environment holds (``import unsloth`` raises ModuleNotFoundError): ``runpy.run_module``
+    with ``alter_sys`` is what ``-m`` runs, after the one line that hides unsloth."""
+    argv = [str(PACKAGE / "__main__.py"), "run", "--dir", str(folder), "--out", str(result), *flags]
     code = (f"import runpy, sys; sys.modules['unsloth'] = None; sys.argv = {argv!r}; "
-            f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')")
+            f"runpy.run_module({ENTRY!r}, run_name='__main__', alter_sys=True)")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
@@ -239,7 +254,7 @@ def test_gpt_oss_defaults_and_argument_checks(tmp_path):
     with pytest.raises(ValueError, match="covers dense Qwen3 presets"):
         peer.export(str(tmp_path), model="tiny-qwen3-moe", device="cpu")
     with pytest.raises(OSError, match="GiB free"):
-        peer._check_free_space(str(tmp_path), 2**62)
+        peer.check_free_space(str(tmp_path), 2**62)
     with pytest.raises(SystemExit):
         peer.main(["export", "--out", str(tmp_path), "--num-layers", "zero"])
     assert not (tmp_path / "meta.json").exists()
@@ -264,7 +279,7 @@ def test_gpt_oss_run_config_and_error_result(exported_gpt_oss, tmp_path):
                                              "layout": "packed"}
     assert doc["config"]["segments_isolated"] is False and doc["error"] == "load: RuntimeError: boom"
     path = tmp_path / "err.json"
-    peer._write_json(str(path), doc)
+    peer.write_json(str(path), doc)
     assert peer.summary_line(str(path)) == "unsloth (double buffer on): ERROR: load: RuntimeError: boom"
     qwen = peer.error_result({}, "x", "off", "cuda", None)["variants"][0]["toggles"]
     assert qwen["load_in_4bit"] is True and qwen["packed_seq_lengths"] == "cuda" and qwen["layout"] == "packed"
