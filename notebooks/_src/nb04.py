@@ -163,7 +163,7 @@ for model, table, doc in summary:
 ## Against Unsloth
 Unsloth runs in a process of its own (it patches transformers at import) on the same architecture saved as a
 random-weight checkpoint, the same batches and LoRA settings, with its own packing and offloaded checkpointing
-(`benchmarks/unsloth_peer.py`). On GPT-OSS it cannot keep packed sequences apart (its attention with sinks is causal
+(`benchmarks/unsloth_peer/`). On GPT-OSS it cannot keep packed sequences apart (its attention with sinks is causal
 over the whole row, and its trainer blocklists padding-free packing for `gpt_oss`), so it gets the same sequences
 one per right-padded row, as its users train. Both sides of each comparison come from one session.
 '''),
