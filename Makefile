@@ -12,7 +12,11 @@ TEST_CMD = $(BIN)/python -m pytest tests notebooks --nbval-lax --nbval-current-e
 # The tests that compare numbers, again on another CPU's kernels and one thread (CI runs both): torch picks its CPU
 # kernels by ATEN_CPU_CAPABILITY, so a tolerance that only holds for this machine's kernels fails here.
 OTHER_CPU ?= default
-NUMERIC_TESTS = tests/test_training.py tests/test_loss.py tests/test_moe.py tests/test_offload.py tests/test_packed.py \
+NUMERIC_TESTS = tests/test_training.py tests/test_loss.py tests/test_moe.py \
+	tests/test_offload_checkpoint.py tests/test_offload_models.py tests/test_offload_memory.py \
+	tests/test_offload_switch.py tests/test_offload_evidence.py \
+	tests/test_packed_backends.py tests/test_packed_flex.py tests/test_packed_models.py tests/test_packed_switch.py \
+	tests/test_packed_trl.py \
 	tests/test_lora.py tests/test_collated_metadata.py tests/test_compiled_layers.py tests/test_distributed.py \
 	tests/test_padding_free.py notebooks/04_all_three_together.ipynb
 
