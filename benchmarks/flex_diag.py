@@ -26,7 +26,7 @@ DEV = os.environ.get("DIAG_DEVICE", "cuda")
 
 
 def batch():
-    ex = synthetic_corpus(12, vocab_size=256, mix="short", max_len=60, seed=1)   # tests/test_packed.py make_batch
+    ex = synthetic_corpus(12, vocab_size=256, mix="short", max_len=60, seed=1)   # tests/_packed_helpers.py make_batch
     return pack_examples(ex, 128, rows_per_batch=2)[0].to(DEV)
 
 

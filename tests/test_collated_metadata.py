@@ -37,7 +37,7 @@ def assert_same_tensors(got, want):
 
 
 def make_batch(seed: int = 1, rows: int = 2, row_tokens: int = 128):
-    # short sequences, two rows, padding tails (as tests/test_packed.py's batches)
+    # short sequences, two rows, padding tails (as tests/_packed_helpers.py's batches)
     ex = synthetic_corpus(12, vocab_size=256, mix="short", max_len=60, seed=seed)
     return pack_examples(ex, row_tokens, rows_per_batch=rows)[0]
 

@@ -290,7 +290,7 @@ def soak_table() -> str:
                        f"an allocation outside the staging buffers ({d['error'].split(': ', 1)[-1][:60]}...): the "
                        f"buffers are allocated before the step's peak, so a cap on the whole process cannot make the "
                        f"second buffer the allocation that fails. The fallback itself is tested with an out-of-memory "
-                       f"error injected on the second buffer (`tests/test_offload.py`, on the CPU and on CUDA).")
+                       f"error injected on the second buffer (`tests/test_offload_memory.py` on the CPU, `tests/test_offload_cuda.py` on CUDA).")
         elif not d.get("fallbacks"):
             out.append(f"\n**Forced OOM fallback: not triggered.** Under a {d.get('cap_bytes', 0) / 2**30:.2f} GiB cap the "
                        f"second buffer still fit (fallbacks 0, {d.get('active_buffers_after')} buffers after), so this "

@@ -160,7 +160,7 @@ What happens, precisely (transformers 5.17):
   only looks for packing when `attention_mask is None`, so the mask is plain causal across the whole row. Leak.
 - **GPT-OSS** calls `create_causal_mask` / `create_sliding_window_causal_mask` *without* `position_ids`: packing is
   never detected, with `eager` (its default; it refuses `sdpa`) and with `flex_attention` alike (flex with sinks
-  runs on CUDA only: `tests/test_packed.py::test_cuda_stock_flex_contamination_and_ours_does_not`). Leak.
+  runs on CUDA only: `tests/test_packed_cuda.py::test_cuda_stock_flex_contamination_and_ours_does_not`). Leak.
   transformers' flash-attention path derives the boundaries from `position_ids` itself (in every layer: the naive
   path below), which would keep them apart; flash-attn is not installed on our machines.
 '''),
@@ -436,7 +436,7 @@ Tables and session notes: `benchmarks/results/h200-*/RESULTS.md` and `README.md`
   never derive it from device tensors inside a layer.
 - Stock transformers 5.17 keeps packed Qwen3 rows apart only without a 2-D mask, and never keeps packed GPT-OSS rows
   apart with eager/flex attention; `fastsft_lab.packing` backends do, including GPT-OSS sinks and sliding windows.
-- Proofs: `tests/test_packed.py` (every backend vs each sequence alone, logits and LoRA gradients; naive == cached;
+- Proofs: `tests/test_packed_*.py` (every backend vs each sequence alone, logits and LoRA gradients; naive == cached;
   hypothesis over random lengths; sync counts; TRL `SFTTrainer` losses equal to the plain path).
 
 **Next bottleneck.** With the metadata built once, the attention layers pay no sync, and what the step spends is

@@ -236,7 +236,7 @@ above). After the fix every mode matched within bf16 noise. The history, with bo
 which buffer each one reads or writes, allocations and frees) is logged — on a CPU too, where the very same code
 runs synchronously — and `fastsft_lab.offload.check_stream_order` replays the log as a happens-before model of
 CUDA streams: every pair of accesses to one buffer from two streams, at least one a write, must be ordered by a
-stream wait or an event. The allocation pattern of the first version fails it (`tests/test_offload.py` has that
+stream wait or an event. The allocation pattern of the first version fails it (`tests/test_offload_streams.py` has that
 negative control and four more). Then the gradients of a tiny model in float32 on the CPU, which must be *exactly*
 equal. Both print the same on every machine.
 '''),
