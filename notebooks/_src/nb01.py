@@ -166,7 +166,8 @@ What happens, precisely (transformers 5.17):
 '''),
 ("md", r'''
 ## The naive path measured: syncs in every layer
-`enable_packed_attention(model, backend, cache=False)` runs our backends with the metadata rebuilt in every layer
+`fastsft_lab.apply(model, packed_attention=backend, packed_metadata_cache=False)` runs our backends with the metadata
+rebuilt in every layer
 from `position_ids`, as the code we are replacing does (each backend's naive builder sits next to its cached one in
 `fastsft_lab/packing/backends/<backend>.py`, with every sync it pays and where the pattern comes from). Counted
 with `SyncCounter` (it counts on a CPU the operations that would sync a GPU), per decoder layer, over one forward.
@@ -182,14 +183,15 @@ cell stops with an error if a layer of the naive path pays no sync.
 ("code", r'''
 import os
 from collections import Counter
-from fastsft_lab.packing import enable_packed_attention, disable_packed_attention, set_packed_metadata_cache, packed_inputs
+import fastsft_lab
+from fastsft_lab.packing import packed_inputs
 from fastsft_lab.profiling import SyncCounter, profile
 
 def syncs_per_layer(model, backend, cache, inputs):
-    enable_packed_attention(model, backend, cache=cache)
+    fastsft_lab.apply(model, packed_attention=backend, packed_metadata_cache=cache)
     with torch.no_grad(), SyncCounter.for_decoder_layers(model, device="cpu") as counter:
         model(**inputs)
-    disable_packed_attention(model)
+    fastsft_lab.apply(model, packed_attention="off")
     return list(counter.per_module().values()), counter.total
 
 naive_rows = {backend: syncs_per_layer(qwen, backend, False, batch.model_inputs()) for backend in ["sdpa", "varlen", "flex"]}
@@ -200,11 +202,11 @@ assert all(min(per_layer) >= 1 for per_layer, _ in naive_rows.values()), "a laye
 
 os.makedirs("runs", exist_ok=True)
 def op_calls(cache):      # operator call counts of one forward (its Chrome trace lands in runs/)
-    enable_packed_attention(qwen, "sdpa", cache=cache)
+    fastsft_lab.apply(qwen, packed_attention="sdpa", packed_metadata_cache=cache)
     inputs = packed_inputs(batch) if cache else batch.model_inputs()
     with torch.no_grad():
         res = profile(lambda: qwen(**inputs), top=500, trace_path=f"runs/01_{'cached' if cache else 'naive'}_trace.json")
-    disable_packed_attention(qwen)
+    fastsft_lab.apply(qwen, packed_attention="off")
     return Counter({o["name"]: o["calls"] for o in res.top_ops})
 
 naive_calls, cached_calls = op_calls(False), op_calls(True)
@@ -229,11 +231,11 @@ for op, n in extra.most_common(10):
    transformers interprets (`sdpa`, `flash`, `flex_attention`), so GPT-OSS accepts them and no stock mask is built.
 
 ```python
-from fastsft_lab.packing import enable_packed_attention, set_packed_metadata_cache, disable_packed_attention
-enable_packed_attention(model, backend="varlen")      # cache=True by default; returns the model's ModelState
+import fastsft_lab
+fastsft_lab.apply(model, packed_attention="varlen")   # metadata cached by default; returns the model's ModelState
 loss = model(**batch, packed_metadata=meta).loss      # or: batch = PackedCollator(max_tokens=4096)(examples)
-set_packed_metadata_cache(model, False)               # the naive path, live, for comparison
-disable_packed_attention(model)                       # exactly the original attn_implementation
+fastsft_lab.apply(model, packed_metadata_cache=False) # the naive path, live, for comparison
+fastsft_lab.apply(model, packed_attention="off")      # exactly the original attn_implementation
 ```
 '''),
 ("md", r'''
@@ -255,17 +257,17 @@ for backend, (per_layer, total) in cached_rows.items():
 print(f"  sdpa, metadata recovered from position_ids by the model hook: per layer {recovered[0]}  total {recovered[1]}")
 
 ckpt = tiny("tiny-gpt-oss", gradient_checkpointing=True).train()
-enable_packed_attention(ckpt, "sdpa")
+fastsft_lab.apply(ckpt, packed_attention="sdpa")
 with BuildLog() as cached_log:
     ckpt(**packed_inputs(batch)).loss.backward()
-set_packed_metadata_cache(ckpt, False)
+fastsft_lab.apply(ckpt, packed_metadata_cache=False)
 with BuildLog() as naive_log:
     ckpt(**packed_inputs(batch)).loss.backward()
-state = disable_packed_attention(ckpt)   # every switch returns the model's ModelState
+state = fastsft_lab.apply(ckpt, packed_attention="off")   # every switch returns the model's ModelState
 print(f"\ntiny GPT-OSS, {len(decoder_layers(ckpt))} layers (sliding + full), checkpointed forward + backward:")
 print("  cached: builds per step", dict(cached_log.cached))
 print("  naive : dense masks built per step", naive_log.naive["dense"])
-print("after disable_packed_attention: packed =", state.packed)
+print("after apply(packed_attention='off'): packed =", state.packed)
 '''),
 ("md", r'''
 ## Equivalence first: every backend against each sequence run alone
@@ -291,7 +293,7 @@ for name, model in (("tiny-qwen3", qwen), ("tiny-gpt-oss", gpt)):
     alone_grads = lora_grads(model, [{"input_ids": s.input_ids, "labels": s.labels} for s in unpack(batch)])
     for backend in ["eager", "sdpa", "varlen", "flex"]:
         for cache in (True, False):
-            enable_packed_attention(model, backend, cache=cache)
+            fastsft_lab.apply(model, packed_attention=backend, packed_metadata_cache=cache)
             with torch.no_grad():
                 packed = model(input_ids=batch.input_ids, position_ids=batch.position_ids,
                                packed_metadata=PackedMetadata.from_batch(batch)).logits
@@ -300,7 +302,7 @@ for name, model in (("tiny-qwen3", qwen), ("tiny-gpt-oss", gpt)):
             grad_err = None
             if available_backends("cpu")[backend].training:
                 grad_err = rel_err(lora_grads(model, [packed_inputs(batch)]), alone_grads)
-            disable_packed_attention(model)
+            fastsft_lab.apply(model, packed_attention="off")
             checks.append((name, backend, "cached" if cache else "naive", logit_err, grad_err))
 print(f"{'model':13s} {'backend':8s} {'path':7s} logits == alone   LoRA grads == alone")
 for name, backend, path, logit_err, grad_err in checks:
@@ -424,8 +426,8 @@ Tables and session notes: `benchmarks/results/h200-*/RESULTS.md` and `README.md`
 - **Host work.** Building `PackedMetadata` is O(number of segments) in Python, done at collate time (in the
   `DataLoader` worker with `PackedCollator`).
 - **API.** The metadata travels as a model keyword (`packed_metadata=`), so a custom training loop must pass it (or
-  let the model hook recover it from `position_ids` at one sync per step). Generation with a KV cache is refused with
-  a clear message: call `disable_packed_attention(model)` first.
+  let the model hook recover it from `position_ids` at one sync per step). `generate()` and calls with a KV cache run
+  the model's own attention, so training and sampling alternate on one model.
 - **Where it does not help much.** If the kernel already takes `cu_seqlens` from the batch (TRL's padding-free
   collator with flash-attention) the per-layer syncs are gone; what remains is the mask or `BlockMask` build for
   SDPA/flex. The gain is largest with many short sequences, thin layers (small models) and SDPA.

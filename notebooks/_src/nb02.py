@@ -137,7 +137,7 @@ print(f"model: two buffers save {span_ms(model_one) - span_ms(model_two):.2f} ms
 ## The naive path, measured
 The model: QLoRA on the real architecture on a GPU (random weights: speed does not depend on weight values), a
 tiny Qwen3 in float32 in smoke mode. Batches are packed rows from the synthetic corpus (see notebook 00).
-`enable_offloaded_checkpointing(model, buffers=1, prefetch=False)` turns on the single-buffer "before": it plugs
+`fastsft_lab.apply(model, offload_buffers=1)` turns on the single-buffer "before": it plugs
 into transformers' own hook (`GradientCheckpointingLayer._gradient_checkpointing_func`), so PEFT wrappers and every
 layer kwarg (rotary cos/sin, masks, notebook 01's `packed_metadata`) pass through untouched. The cell builds the
 model, traces one step with one staging buffer after a warm-up step (the first step allocates the pinned pool, and
@@ -213,10 +213,11 @@ copy     | h2d L8 | h2d L7 | h2d L6 |                    <- hidden behind comput
 ```
 
 ```python
-from fastsft_lab.offload import enable_offloaded_checkpointing, disable_offloaded_checkpointing, offload_manager
-enable_offloaded_checkpointing(model, buffers=2, prefetch=True)   # returns the model's ModelState
-manager = offload_manager(model)                                   # pool, staging buffers, stats, stream log
-disable_offloaded_checkpointing(model)                             # exactly what was there before
+import fastsft_lab
+from fastsft_lab.offload import offload_manager
+fastsft_lab.apply(model, offload_buffers=2, prefetch=True)   # returns the model's ModelState
+manager = offload_manager(model)                             # pool, staging buffers, stats, stream log
+fastsft_lab.apply(model, offload_buffers="off")              # exactly what was there before
 ```
 
 ### Correct before fast
@@ -242,20 +243,20 @@ equal. Both print the same on every machine.
 '''),
 ("code", r'''
 # NBVAL_CHECK_OUTPUT
-from fastsft_lab.offload import (enable_offloaded_checkpointing, disable_offloaded_checkpointing, offload_manager,
-                                 check_stream_order)
+import fastsft_lab
+from fastsft_lab.offload import offload_manager, check_stream_order
 from fastsft_lab.evidence import check_equivalence, format_equivalence, check_transport, check_no_leak
 
 tiny = build_model("tiny-qwen3", device="cpu", dtype=torch.float32, lora=LoraSettings(rank=8))
 tiny_inputs = benchmark_batches(tokens_per_step=256, row_tokens=128, steps=1, vocab_size=tiny.config.vocab_size,
                                 mix="short")[0].model_inputs()
 for buffers, prefetch in ((1, False), (2, False), (2, True)):
-    enable_offloaded_checkpointing(tiny, buffers, prefetch)
+    fastsft_lab.apply(tiny, offload_buffers=buffers, prefetch=prefetch)
     manager = offload_manager(tiny)
     manager.stream_log = []
     for _ in range(2):
         tiny(**tiny_inputs).loss.backward()
-    disable_offloaded_checkpointing(tiny)
+    fastsft_lab.apply(tiny, offload_buffers="off")
     problems = check_stream_order(manager.stream_log)
     manager.stream_log = None
     print(f"{'offload x%d' % buffers + (' + prefetch' if prefetch else ''):22s} unordered cross-stream accesses: "
@@ -267,7 +268,7 @@ for mode in ("offload x1", "offload x2", "offload x2 + prefetch"):
     r = eq_tiny[mode]
     print(f"{mode:22s} == standard: {r['vs_standard']}   == no checkpointing: {r['vs_no_checkpointing']}   "
           f"bitwise: {r['report']['vs_standard']['bitwise_equal']}")
-disable_offloaded_checkpointing(tiny, release_pool=True)
+fastsft_lab.apply(tiny, offload_buffers="off")
 del tiny
 '''),
 ("md", r'''
@@ -439,7 +440,7 @@ fits 80 GiB (`fastsft_lab.offload.plan`; every mix computes what plain training 
   also serialises the forward copies), small on a fast GPU at long sequences — the sweep shows the regime.
 - Numbers unchanged: exact in float32 on a CPU, and within bf16 noise of standard checkpointing at real size on a
   GPU (the equivalence cell above, on the machine printed at the top, says so for this run); no leak; an exact way
-  back: `disable_offloaded_checkpointing(model)`.
+  back: `fastsft_lab.apply(model, offload_buffers="off")`.
 - Stream ordering is easy to get subtly wrong and only shows at real sizes: log the operations and check them
   (`check_stream_order`), and verify the reloaded bits on the GPU (`check_transport`).
 
@@ -453,7 +454,7 @@ Further reading: PyTorch's [pinned memory and non_blocking tutorial](https://pyt
 their log, the slot policy; `OffloadManager`'s docstring lists every cross-stream hazard and what orders it).
 '''),
 ("code", r'''
-disable_offloaded_checkpointing(model, release_pool=True)
+fastsft_lab.apply(model, offload_buffers="off")
 print(f"notebook ran in {time.time() - T0:.0f} s on: {describe()}")
 if DEVICE == "cuda":
     print(f"peak GPU memory over the notebook: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")

@@ -40,34 +40,19 @@ from ..harness import Variant, format_table, make_result, run_variants, with_aut
 from ..plots import plot_waterfall, save_figure
 from ..scenario import OptionError, Scenario, option
 from .budget import calibrate
-from .combined import _configure, model_builds, validate_models_and_kernels
+from .combined import ModelOptions, _configure, model_builds, validate_models_and_kernels
 
 
 @dataclasses.dataclass
-class AttributionOptions:
-    models: list = option(["qwen3-14b", "gpt-oss-20b"], kind="strs", help="model presets")
-    num_layers: int | None = option(None, kind="int?", help="decoder layers kept at real width (none: all)")
-    tokens: list = option([8192], kind="ints", help="tokens per step")
-    moe_row_tokens: int = option(4096, kind="int", help="tokens per packed row for MoE models (dense: one row)")
-    kernels: list = option(["none", "liger"], kind="strs", help="none and/or liger (the fast-kernel floor)")
-    autocast: str = option("bf16", kind="str", help="none, bf16 or fp16: every step under torch.autocast")
-    backend: str = option("varlen", kind="str", help="packed-attention backend")
+class AttributionOptions(ModelOptions):
     budget: float | None = option(80.0, kind="float?", help="GiB for the memory-plan step (none: no such step)")
-    mix: str = option("realistic", kind="str", help="length mix")
-    lora_rank: int = option(16, kind="int", help="LoRA rank")
-    compiled: bool = option(False, kind="bool", help="(shared with combined; unused here)")
-    steps: int = option(5, kind="int", help="measured steps per variant")
-    warmup: int = option(1, kind="int", help="warm-up steps per variant")
 
     @classmethod
     def defaults(cls, device: torch.device, smoke: bool) -> "AttributionOptions":
+        base = dataclasses.asdict(ModelOptions.defaults(device, smoke))
         if smoke:
-            cpu = device.type == "cpu"
-            return cls(models=["tiny-qwen3", "tiny-gpt-oss"], tokens=[512], moe_row_tokens=256,
-                       kernels=["none"] if cpu else ["none", "liger"], autocast="none" if cpu else "bf16",
-                       lora_rank=8, mix="short", backend="sdpa" if cpu else "varlen", budget=16.0, steps=3,
-                       warmup=1)
-        return cls()
+            return cls(**{**base, "steps": 3, "budget": 16.0})
+        return cls(**{**base, "autocast": "bf16", "steps": 5})
 
 
 def attribution_chain(model, *, is_moe: bool, packed: str, fused_floor: bool, plan: P.Plan | None = None,

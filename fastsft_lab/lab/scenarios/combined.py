@@ -218,7 +218,10 @@ def model_builds(opts, device: torch.device):
 
 # --- the scenario ---------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
-class CombinedOptions:
+class ModelOptions:
+    """The options of the scenarios that run whole models at full depth on both kernel floors (combined,
+    attribution): which models, how deep, how many tokens, which floor, autocast, packed backend, data, LoRA."""
+
     models: list = option(["qwen3-14b", "gpt-oss-20b"], kind="strs", help="model presets")
     num_layers: int | None = option(None, kind="int?", help="decoder layers kept at real width (none: all)")
     tokens: list = option([8192], kind="ints", help="tokens per step")
@@ -226,24 +229,28 @@ class CombinedOptions:
     kernels: list = option(["none", "liger"], kind="strs", help="none and/or liger (the fast-kernel floor)")
     autocast: str = option("none", kind="str", help="none, bf16 or fp16 (GPU default bf16): every variant under torch.autocast (what "
                            "SFTTrainer(bf16=True) does; PEFT's fp32 adapters then run their matmuls in bf16)")
-    variants: str = option("all", kind="str", help="all, or core (default, all naive, all fast)")
     backend: str = option("varlen", kind="str", help="packed-attention backend of the packed variants")
-    liger_variants: str = option("core", kind="str", help="variant set on the liger build (all or core)")
     mix: str = option("realistic", kind="str", help="length mix")
     lora_rank: int = option(16, kind="int", help="LoRA rank")
-    compiled: bool = option(False, kind="bool", help="also time all fast with every decoder layer compiled "
-                            "(nn.Module.compile; give warmup >= 2: the first steps compile)")
     steps: int = option(4, kind="int", help="measured steps per variant")
     warmup: int = option(1, kind="int", help="warm-up steps per variant")
 
     @classmethod
-    def defaults(cls, device: torch.device, smoke: bool) -> "CombinedOptions":
+    def defaults(cls, device: torch.device, smoke: bool):
         if smoke:
             cpu = device.type == "cpu"
             return cls(models=["tiny-qwen3", "tiny-gpt-oss"], tokens=[512], moe_row_tokens=256,
                        kernels=["none"] if cpu else ["none", "liger"], lora_rank=8, mix="short",
                        backend="sdpa" if cpu else "varlen", steps=4, warmup=1)
         return cls(autocast="bf16" if device.type == "cuda" else "none")
+
+
+@dataclasses.dataclass
+class CombinedOptions(ModelOptions):
+    variants: str = option("all", kind="str", help="all, or core (default, all naive, all fast)")
+    liger_variants: str = option("core", kind="str", help="variant set on the liger build (all or core)")
+    compiled: bool = option(False, kind="bool", help="also time all fast with every decoder layer compiled "
+                            "(nn.Module.compile; give warmup >= 2: the first steps compile)")
 
 
 def validate_models_and_kernels(opts, device: torch.device) -> None:
@@ -333,5 +340,5 @@ class CombinedScenario(Scenario):
         return result
 
 
-__all__ = ["CombinedScenario", "CombinedOptions", "combined_variants", "apply_liger", "build_combined_model",
+__all__ = ["CombinedScenario", "CombinedOptions", "ModelOptions", "combined_variants", "apply_liger", "build_combined_model",
            "validate_models_and_kernels", "compile_layers", "uncompile_layers", "model_builds"]
