@@ -215,8 +215,8 @@ experts' matmuls in one kernel (bf16 on sm80+ GPUs; PyTorch ≥ 2.9 also has a C
 
 Switching is one call on a live model, through transformers' experts registry; `None` puts back what was there:
 ```python
-from fastsft_lab.moe import set_moe_routing
-set_moe_routing(model, "sync_free")   # or "grouped", "naive"; None / "off" restores the original
+import fastsft_lab
+fastsft_lab.apply(model, moe_routing="sync_free")   # or "grouped", "naive"; "off" restores the original
 ```
 
 ## Correct before fast
