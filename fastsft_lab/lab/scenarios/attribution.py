@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
 import torch
 
@@ -159,7 +160,9 @@ class AttributionScenario(Scenario):
         if opts.budget is not None:
             # the plan's costs measured with everything else of the chain on, as apply would on its first steps
             _set(model, {"packed": opts.backend, "moe": "sync_free" if is_moe else None, "fused": True})
-            planner = calibrate(model, batches[0], opts.autocast, opts.budget)
+            with warnings.catch_warnings():     # the model's own checkpointing is replaced on purpose here
+                warnings.filterwarnings("ignore", message="memory_budget replaces")
+                planner = calibrate(model, batches[0], opts.autocast, opts.budget)
             plan, costs = planner.plan, dict(planner.costs)
             toggles.apply(model, memory_budget="off")
             _set(model, {**_OFF, "fused": None if fused_floor else False})
