@@ -385,7 +385,21 @@ class MemoryPlanner:
             return selective_checkpoint(function, *args, unsaved=unsaved)
         if choice == "checkpoint":
             return full_checkpoint(function, *args)
-        return self.offload[index](function, *args, **kwargs)
+        out = self.offload[index](function, *args, **kwargs)
+        if index == 0 and self.plan is None:
+            self._watch_peak(out)
+        return out
+
+    @torch.compiler.disable
+    def _watch_peak(self, out) -> None:
+        """Step 1: read the CUDA peak when the first layer's backward starts -- every later layer's backward, the
+        loss and the logits are behind it then -- so a reset of the peak counter between steps (a callback that
+        logs memory per step) does not hide it. A host-side counter: no sync."""
+        t = _first_tensor(out)
+        if self.device.type == "cuda" and isinstance(t, torch.Tensor) and t.requires_grad:
+            def record(grad):
+                self.peak = max(self.peak or 0, torch.cuda.max_memory_allocated(self.device))
+            t.register_hook(record)
 
     @torch.compiler.disable
     def _choose(self, index: int, function: Callable, args: tuple) -> tuple[str, frozenset]:
@@ -429,7 +443,8 @@ class MemoryPlanner:
             if trainable and all(p.grad is None for p in trainable):
                 self.allowance = self.optimizer_bytes_per_param * sum(p.numel() for p in trainable)
             return
-        if self.steps == 2 and self.device.type == "cuda":
+        if self.steps == 2 and self.device.type == "cuda" and self.peak is None:
+            # no backward seen by the hook: everything since step 1's measurement
             self.peak = torch.cuda.max_memory_allocated(self.device)
         target = max(tokens, self.max_tokens or 0)
         if self.plan is None or target > self.plan.tokens:
