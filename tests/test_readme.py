@@ -254,12 +254,15 @@ def test_attribution_text_gives_each_step_over_the_one_before_and_marks_a_failed
     doc = {"scenario": "attribution", "env": {}, "_path": "h200-2027-01-01/attribution.json", "config": {"chain": chain, "model": "qwen3-14b", "num_layers": 40,
                                                            "tokens_per_step": 8192, "kernels": "none",
                                                            "autocast": "bf16"},
-           "variants": [row(chain[0], 2000.0), row(chain[1], 1600.0), row(chain[2], 1590.0, 20.0),
+           "variants": [row(chain[0], 2000.0), row(chain[1], 1600.0),
+                        {**row(chain[2], 1590.0, 20.0), "equal_to_first": {"bitwise": True, "loss_rel": 0.0,
+                                                                           "grad_rel": 0.0}},
                         {"name": chain[3], "error": "out of memory"}, row(chain[4], 1500.0)]}
     text = attribution_text(doc)
     lines = {line.split("  ")[1].strip(): line for line in text.splitlines()[2:-1]}
-    assert lines[chain[1]].split()[-2:] == ["1.25x", "1.25x"]
+    assert lines[chain[1]].split()[-3:] == ["1.25x", "1.25x", "-"]
     assert "1.01x~" in lines[chain[2]] and "+14.3% per batch" in lines[chain[2]]   # the spreads overlap
+    assert " bitwise  +14.3%" in lines[chain[2]]
     assert "failed: out of memory" in lines[chain[3]]
-    assert lines[chain[4]].split()[-2:] == ["–", "1.33x"]                        # not compared with a failed step
+    assert lines[chain[4]].split()[-3:] == ["–", "1.33x", "-"]                   # not compared with a failed step
     assert "qwen3-14b, all 40 layers" in text.splitlines()[0] and "autocast bf16" in text.splitlines()[0]

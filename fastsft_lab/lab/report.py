@@ -872,8 +872,9 @@ def config_header(doc: dict, where: str | None = None) -> str:
     tokens = f"{c['tokens_per_step']} tokens/step" if c.get("tokens_per_step") else "tokens not recorded"
     kernels = c.get("kernels") or "not recorded"
     autocast = c.get("autocast") or "not recorded"
-    return (f"{model}, {depth}, {tokens}, kernels {kernels}, autocast {autocast} | "
-            f"{where if where is not None else R.describe_run(doc)}")
+    if where is None:      # a committed result names its run; a live one says so
+        where = R.describe_run(doc) if "_path" in doc else f"this run ({doc.get('env', {}).get('device', 'here')})"
+    return f"{model}, {depth}, {tokens}, kernels {kernels}, autocast {autocast} | {where}"
 
 
 # What the source article published for each fix (Unsloth's blog post on packed-sequence training), by the
@@ -886,15 +887,16 @@ PUBLISHED_STEP = {"+ metadata cached": "+14.3% per batch, +43.3% forward (Qwen3-
 def attribution_text(doc: dict) -> str:
     """The attribution chain of one result (scenario ``attribution``) as a table: each step's median step time
     [p20-p80], its speed over the step before and over stock ("x": higher is faster; ``~`` where the two spreads
-    overlap), and the published figure for that fix where there is one. A failed step says so and the next one is
+    overlap), whether it computes what exact packing computes (``vs ref``), and the published figure for that fix
+    where there is one. A failed step says so and the next one is
     not compared with it."""
-    from .harness import spreads_overlap
+    from .harness import _fmt_equal, spreads_overlap
 
     rows = {r["name"]: r for r in doc["variants"]}
     chain = doc["config"]["chain"]
     stock = rows.get(chain[0], {})
     out = [config_header(doc),
-           f"  {'step':36s} {'step ms':>22s} {'vs step before':>15s} {'vs stock':>9s}  published"]
+           f"  {'step':36s} {'step ms':>22s} {'vs step before':>15s} {'vs stock':>9s} {'vs ref':>8s}  published"]
     prev = None
     for name in chain:
         r = rows.get(name, {})
@@ -910,9 +912,12 @@ def attribution_text(doc: dict) -> str:
             tilde = "~" if spreads_overlap(prev["step_ms"], ms) else " "
             before = f"{prev['step_ms']['median'] / ms['median']:.2f}x{tilde}"
         over = f"{stock['step_ms']['median'] / ms['median']:.2f}x" if "step_ms" in stock else "–"
-        out.append(f"  {name:36s} {step:>22s} {before:>15s} {over:>9s}  {PUBLISHED_STEP.get(name, '')}".rstrip())
+        same = _fmt_equal(r["equal_to_first"]) if "equal_to_first" in r else "-"
+        out.append(f"  {name:36s} {step:>22s} {before:>15s} {over:>9s} {same:>8s}  "
+                   f"{PUBLISHED_STEP.get(name, '')}".rstrip())
         prev = r
-    out.append("  ~: the two steps' p20-p80 spreads overlap: this run does not tell them apart")
+    out.append("  ~: the two steps' p20-p80 spreads overlap: this run does not tell them apart; vs ref: one step's "
+               "loss and gradients against exact packing (ref): bitwise, or the largest relative difference")
     return "\n".join(out)
 
 

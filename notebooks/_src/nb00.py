@@ -1,7 +1,7 @@
 FILENAME = "00_naive_path_profiled.ipynb"
 
 # where the committed outputs come from (appended to the first cell by build.py)
-OUTPUTS = """**The outputs below** come from a CPU run in smoke mode (`SMOKE=1`, tiny models, torch 2.13, 2026-12-04); every
+OUTPUTS = """**The outputs below** come from a CPU run in smoke mode (`SMOKE=1`, tiny models, torch 2.13, 2026-12-05); every
 GPU figure in them is read from the committed H200 results. On a GPU the same cells run at real width."""
 
 CELLS = [
@@ -11,6 +11,8 @@ CELLS = [
 [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/fastsft-lab/fastsft_lab/blob/main/notebooks/00_naive_path_profiled.ipynb)
 
 **What you will learn**
+- where each gain of the series comes from, measured as one chain from the stock step (the later notebooks explain
+  each step of it);
 - how to measure a QLoRA training step the way the rest of this series does: interleaved steps, median and p20–p80,
   host syncs per step and per decoder layer, peak memory;
 - where the stock step's time goes: compute-bound kernels, memory-bound kernels, and overhead (the device waiting
@@ -93,6 +95,34 @@ for name, what, config in [("qwen3-14b", "8 of 40 layers, 8192 tokens", dict(sce
                             num_layers=28, tokens_per_step=4096, mix="realistic", backend="sdpa"))]:
     peak, doc = results.newest_peak_gib(**config)
     print(f"  {name:11s} {what:28s} " + (f"{peak:5.1f} GiB  [{results.describe_run(doc)}]" if doc else "not committed"))
+'''),
+("md", r'''
+## Where each gain comes from, at a glance
+The whole series in one measurement, before the details: one cumulative chain from the stock step, each step one
+change, interleaved step by step on the same batches (`bench --only attribution`), so each bar is what that change
+is worth *here* and nothing else: the packed kernel with its metadata rebuilt per layer (what a varlen kernel costs
+and gains before any fix), then fix 1 (metadata cached), fix 3 (experts grouped once, then sync-free; MoE only),
+fix 2 (offload with one buffer, then two), the fused loss, and the checkpointing plan for a memory budget. Every step
+is checked against exact packing (`vs ref`): stock GPT-OSS attention lets packed sequences see each other, the
+others compute the same numbers. On a CPU the times show the mechanisms, not GPU speed; the H200 run of this chain
+is still to come (the published figures stand beside each fix for comparison).
+'''),
+("code", r'''
+import contextlib, io
+from fastsft_lab.lab.scenarios import run_scenario
+from fastsft_lab.lab.report import attribution_text
+
+BUDGET = 16.0 if SMOKE else round(min(80.0, 0.8 * PROFILE.memory_gib))   # GiB for the last step: the plan
+chain_docs = []
+for model, layers, tokens in ((MODEL, NUM_LAYERS, TOKENS), (MOE_MODEL, MOE_LAYERS, MOE_TOKENS)):
+    with contextlib.redirect_stdout(io.StringIO()):       # the scenario's own table: the text below says it
+        chain_docs += run_scenario("attribution", device=DEVICE, smoke=SMOKE, out_dir="runs/00_attribution",
+                                   progress=False, models=[model], num_layers=layers, tokens=[tokens],
+                                   kernels=["none"], budget=BUDGET, steps=STEPS)
+for doc in chain_docs:
+    print(attribution_text(doc) + "\n")
+    fig = plots.plot_waterfall(doc)
+    display(fig); plt.close(fig)
 '''),
 ("md", r'''
 ## Before, measured: the stock step
