@@ -525,6 +525,15 @@ def layer_kinds(model: nn.Module) -> list[str]:
             for i, layer in enumerate(layers)]
 
 
+def check_not_sharded(model: nn.Module) -> None:
+    """One line refusing FSDP2: the plan measures and holds whole layers, FSDP2 shards them."""
+    from ..models import base_model, decoder_layers
+
+    if is_fsdp2(base_model(model)) or any(is_fsdp2(m) for m in decoder_layers(model)):
+        raise NotImplementedError("memory_budget under FSDP2 is not supported (the plan measures unsharded layers): "
+                                  "use offload_buffers=2")
+
+
 def enable_memory_plan(model: nn.Module, budget, *, buffers: int = 2, prefetch: bool | None = None,
                        max_tokens: int | None = None, optimizer_bytes_per_param: int = 8) -> MemoryPlanner:
     """Switch a per-layer checkpointing plan for ``budget`` on (see the module docstring); returns its planner.
@@ -541,9 +550,7 @@ def enable_memory_plan(model: nn.Module, budget, *, buffers: int = 2, prefetch: 
                                    or max_tokens <= 0):
         raise ValueError(f"max_tokens must be a positive int (the most tokens a batch can have), got {max_tokens!r}")
     key = base_model(model)
-    if is_fsdp2(key) or any(is_fsdp2(m) for m in decoder_layers(model)):
-        raise NotImplementedError("memory_budget under FSDP2 is not supported (the plan measures unsharded layers): "
-                                  "use offload_buffers=2")
+    check_not_sharded(model)
     device = resolve_device(model_device(model))
     total, free = device_memory(device)
     budget_bytes = parse_budget(budget, total, free)
