@@ -243,6 +243,9 @@ MUTATIONS = [
              "options = [(cost.held[c], cost.seconds[c], c) for c in allowed]",
              "options = [(cost.held[c] if cost is not costs[-1] else 0, cost.seconds[c], c) for c in allowed]",
              (TPL, "-k", "solver")),
+    Mutation("plan-counts-resident-weights", O + "plan.py",
+             "exclude = {p.untyped_storage().data_ptr() for p in [*params, *resident]}",
+             "exclude = {p.untyped_storage().data_ptr() for p in params}", (TPL, "-k", "frozen")),
     Mutation("plan-never-replans", O + "plan.py",
              "if self.plan is None or target > self.plan.tokens:", "if self.plan is None:", (TPL, "-k", "replans")),
 ]

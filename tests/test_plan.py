@@ -478,3 +478,20 @@ def test_a_solved_plan_pays_no_host_sync_in_the_layers():
     finally:
         model.zero_grad(set_to_none=True)
         fastsft_lab.revert(model)
+
+
+def test_frozen_weights_autograd_saves_are_not_counted_as_held():
+    # LoRA: the frozen base weights are saved by the matmuls for the input's gradient, but the GPU holds them anyway
+    model = _model("tiny-qwen3", True)
+    layer = decoder_layers(model)[0]
+    x = torch.randn(1, 128, model.config.hidden_size)
+    pos = torch.arange(128)[None]
+    rope = model.base_model.model.model.rotary_emb(x, pos)
+    fn = lambda h: layer(h, position_embeddings=rope, position_ids=pos)   # noqa: E731
+    trainable = [p for p in layer.parameters() if p.requires_grad]
+    frozen = [p for p in layer.parameters() if not p.requires_grad]
+    counted = P.measure_layer(fn, x, trainable, repeats=1)
+    resident = P.measure_layer(fn, x, trainable, repeats=1, resident=[*frozen, *layer.buffers()])
+    frozen_bytes = sum(p.numel() * p.element_size() for p in frozen if p.dim() == 2)
+    assert counted.held["keep"] - resident.held["keep"] >= 0.9 * frozen_bytes, (counted.held, resident.held)
+    assert resident.held["keep"] > resident.held["checkpoint"]

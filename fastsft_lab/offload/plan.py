@@ -173,16 +173,17 @@ def _timed(device: torch.device, fn: Callable[[], Any], repeats: int) -> float:
 
 
 def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Tensor], *, kind: str = "layer",
-                  buffers: int = 2, repeats: int = 3) -> LayerCost:
+                  buffers: int = 2, repeats: int = 3, resident: Sequence[torch.Tensor] = ()) -> LayerCost:
     """Measure one decoder layer call ``function(x)`` under every choice, on a detached copy of its input.
 
     ``params``: the layer's trainable parameters (their gradients are computed, not accumulated: ``.grad`` is left
-    as it was). The caller keeps the RNG and transformers' output collectors out of it (:class:`MemoryPlanner`
-    does). Returns the layer's :class:`LayerCost` at ``x``'s token count."""
+    as it was). ``resident``: tensors the GPU holds anyway (the layer's frozen weights, its buffers): what autograd
+    saves of them is not counted as held. The caller keeps the RNG and transformers' output collectors out of it
+    (:class:`MemoryPlanner` does). Returns the layer's :class:`LayerCost` at ``x``'s token count."""
     device = x.device
     params = list(params)
     inp = x.detach().requires_grad_(True)
-    exclude = {p.untyped_storage().data_ptr() for p in params}
+    exclude = {p.untyped_storage().data_ptr() for p in [*params, *resident]}
 
     def step(run: Callable) -> None:
         out = _first_tensor(run(function, inp))
@@ -456,8 +457,11 @@ class MemoryPlanner:
         from .checkpoint import _private_collector
 
         devices = [self.device] if self.device.type == "cuda" else []
+        layer = self.layers[index]()
+        resident = [*layer.parameters(), *layer.buffers()] if layer is not None else []
         with torch.random.fork_rng(devices=devices), _private_collector():
-            cost = self.costs[kind] = measure_layer(function, x, params, kind=kind, buffers=self.buffers)
+            cost = self.costs[kind] = measure_layer(function, x, params, kind=kind, buffers=self.buffers,
+                                                    resident=resident)
         if reset_peak and self.device.type == "cuda":   # the measurement's own allocations stay out of the peak
             torch.cuda.reset_peak_memory_stats(self.device)
         return cost
