@@ -12,6 +12,8 @@ import torch
 
 from fastsft_lab import _compat as C
 
+from _source_helpers import code_lines
+
 LIB = pathlib.Path(__file__).resolve().parents[1] / "fastsft_lab"
 
 # torch._x, transformers.y._z, "from torch.utils import _pytree", "from transformers.x import _name"
@@ -27,16 +29,6 @@ def _private_in(code: str) -> bool:
     return bool(PRIVATE.search(code))
 
 
-def _code_lines(path: pathlib.Path):
-    in_doc = False
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        stripped = line.strip()
-        quotes = stripped.count('"""')
-        if in_doc or stripped.startswith('"""'):
-            if quotes == 1:
-                in_doc = not in_doc
-            continue
-        yield i, line.split("#", 1)[0]
 
 
 def test_no_private_framework_name_outside_compat():
@@ -45,7 +37,7 @@ def test_no_private_framework_name_outside_compat():
         rel = path.relative_to(LIB.parent).as_posix()
         if rel in ("fastsft_lab/_compat.py",) or rel.startswith("fastsft_lab/lab/"):
             continue
-        for i, code in _code_lines(path):
+        for i, code in code_lines(path):
             if _private_in(code):
                 found.append(f"{rel}:{i}: {code.strip()}")
     assert not found, "private framework names outside fastsft_lab/_compat.py:\n" + "\n".join(found)

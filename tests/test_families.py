@@ -15,6 +15,8 @@ from fastsft_lab.families import FAMILIES, Attention, experts_family, get_family
 from fastsft_lab.models import PRESETS, LoraSettings, ModelPreset, build_model, decoder_layers, family_of, get_preset
 from fastsft_lab.moe import experts_modules, is_experts_module, set_moe_routing
 
+from _source_helpers import code_lines
+
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 LIB = pathlib.Path(__file__).resolve().parents[1] / "fastsft_lab"
@@ -190,17 +192,6 @@ FAMILY_BRANCH = re.compile(
     r"|hasattr\([^)]*[\"'](?:alpha|limit)[\"']")
 
 
-def _code_lines(path: pathlib.Path):
-    """(line number, code) of ``path`` without docstrings and comments."""
-    in_doc = False
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        stripped = line.strip()
-        quotes = stripped.count('"""')
-        if in_doc or stripped.startswith('"""'):
-            if quotes == 1:
-                in_doc = not in_doc
-            continue
-        yield i, line.split("#", 1)[0]
 
 
 def _checked_files():
@@ -215,7 +206,7 @@ def _checked_files():
 
 
 def test_the_record_is_the_single_source_of_family_knowledge():
-    found = [f"{rel}:{i}: {code.strip()}" for rel, path in _checked_files() for i, code in _code_lines(path)
+    found = [f"{rel}:{i}: {code.strip()}" for rel, path in _checked_files() for i, code in code_lines(path)
              if FAMILY_BRANCH.search(code)]
     assert not found, "family branches or sniffing outside fastsft_lab/families.py (read the record):\n" + \
         "\n".join(found)

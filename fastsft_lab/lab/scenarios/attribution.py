@@ -27,7 +27,6 @@ models on a CPU.
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 
 import torch
@@ -37,11 +36,10 @@ from ...data import benchmark_batches
 from ...model_state import state
 from ...offload import plan as P
 from ...packing import packed_inputs
-from ..harness import Variant, format_table, make_result, run_variants, with_autocast, write_json
-from ..plots import plot_waterfall, save_figure
+from ..harness import Variant, make_result, run_variants, with_autocast
 from ..scenario import OptionError, Scenario, option
 from .budget import calibrate
-from .combined import ModelOptions, _configure, model_builds, validate_models_and_kernels
+from .combined import ModelOptions, _configure, model_builds, validate_models_and_kernels, write_waterfall_result
 
 
 @dataclasses.dataclass
@@ -181,13 +179,8 @@ class AttributionScenario(Scenario):
                              notes="A cumulative chain, interleaved step by step on the same batches: each row is "
                                    "the row before plus one change.")
         result["derived"] = step_gains(rows)
-        stem = f"attribution_{preset.name}_L{config['num_layers']}_{tokens}tok_{extra['kernels']}"
-        write_json(result, os.path.join(out_dir, stem + ".json"))
-        fig = plot_waterfall(result)
-        if fig is not None:
-            save_figure(fig, os.path.join(out_dir, stem + ".png"))
-        print(f"\n  {label}\n" + format_table(result))
-        return result
+        return write_waterfall_result(result, out_dir, f"attribution_{preset.name}_L{config['num_layers']}_{tokens}tok_"
+                                      f"{extra['kernels']}", label)
 
 
 def step_gains(rows: list[dict]) -> dict:

@@ -331,14 +331,19 @@ class CombinedScenario(Scenario):
             "all_fast_vs_best_stock": (round(min(by[n]["step_ms"]["median"] for n in by if n.startswith(
                 ("transformers", "TRL"))) / by["all fast"]["step_ms"]["median"], 4) if "all fast" in by else None),
         }.items() if v is not None}
-        stem = f"combined_{preset.name}_L{config['num_layers']}_{tokens}tok_{kernels}"
-        write_json(result, os.path.join(out_dir, stem + ".json"))
-        fig = plot_waterfall(result)
-        if fig is not None:
-            save_figure(fig, os.path.join(out_dir, stem + ".png"))
-        print(f"\n  {label}\n" + format_table(result))
-        return result
+        return write_waterfall_result(result, out_dir, f"combined_{preset.name}_L{config['num_layers']}_{tokens}tok_"
+                                      f"{kernels}", label)
 
 
-__all__ = ["CombinedScenario", "CombinedOptions", "ModelOptions", "combined_variants", "apply_liger", "build_combined_model",
+def write_waterfall_result(result: dict, out_dir: str, stem: str, label: str) -> dict:
+    """``result`` as ``<stem>.json``, its waterfall as ``<stem>.png``, its table printed under ``label``."""
+    write_json(result, os.path.join(out_dir, stem + ".json"))
+    fig = plot_waterfall(result)
+    if fig is not None:
+        save_figure(fig, os.path.join(out_dir, stem + ".png"))
+    print(f"\n  {label}\n" + format_table(result))
+    return result
+
+
+__all__ = ["CombinedScenario", "CombinedOptions", "ModelOptions", "write_waterfall_result", "combined_variants", "apply_liger", "build_combined_model",
            "validate_models_and_kernels", "compile_layers", "uncompile_layers", "model_builds"]
