@@ -76,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"world_size": world, "preset": args.preset, "losses": losses, "state": str(state),
                        "steps": trainer.state.global_step}, f, indent=1)
         print(f"world size {world}: {trainer.state.global_step} steps, losses {[round(x, 4) for x in losses]}")
+    if torch.distributed.is_initialized():
+        # shut the process group down before the interpreter does: gloo's threads torn down at exit can abort
+        # the process ("terminate called without an active exception") after the run has finished
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return 0
 
 
