@@ -112,6 +112,13 @@ class Scenario:
             raise OptionError(f"steps must be >= 1, got {opts.steps}")
         if getattr(opts, "warmup", 0) < 0:
             raise OptionError(f"warmup must be >= 0, got {opts.warmup}")
+        from ..models import PRESETS
+        named = getattr(opts, "models", None) or []
+        named = ([opts.preset] if isinstance(getattr(opts, "preset", None), str) else []) + \
+            [m for m in (named if isinstance(named, list) else []) if isinstance(m, str)]
+        for name in named:
+            if name not in PRESETS:
+                raise OptionError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
 
     def run(self, opts, *, device: torch.device, out_dir: str, progress: bool = True) -> list[dict]:
         raise NotImplementedError

@@ -22,7 +22,7 @@ import torch
 
 from ... import toggles
 from ...data import benchmark_batches
-from ...models import LoraSettings, build_model
+from ...models import PRESETS, LoraSettings, build_model
 from ...offload import plan as P
 from ..harness import Variant, format_derived, format_table, make_result, run_variants, with_autocast, write_json
 from ..scenario import OptionError, Scenario, option
@@ -152,6 +152,8 @@ class BudgetScenario(Scenario):
         floor = {"packed_attention": opts.packed, "fused_loss": True}
         if opts.lora_rank:
             floor["fused_lora"] = device.type == "cuda"     # the fused LoRA GEMM is a CUDA kernel's floor
+        if PRESETS[opts.preset].is_moe:
+            floor["moe_routing"] = "sync_free"              # an MoE model's floor routes its experts sync-free
         toggles.apply(model, **floor)
         results = []
         for tokens in opts.tokens:
