@@ -407,17 +407,22 @@ def _native_stderr_silenced():
 @contextlib.contextmanager
 def quiet_profiler(**kwargs):
     """``torch.profiler.profile(**kwargs)`` whose start and stop print nothing (the CPU build's kineto writes a
-    ``profiler_start`` / ``profiler_stop`` notice to the process's stderr, into every notebook output); what the
-    profiled code prints is untouched."""
+    ``profiler_start`` / ``profiler_stop`` notice to the process's stderr, into every notebook output, and torch's
+    profiler warns on stop that it keeps one cycle's events); what the profiled code prints is untouched."""
+    import warnings
+
     from torch.profiler import profile as torch_profile
 
     prof = torch_profile(**kwargs)
-    with _native_stderr_silenced():
+    with _native_stderr_silenced(), warnings.catch_warnings():
+        # torch's notice that a profile without a schedule keeps one cycle's events: one cycle is all we take
+        warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
         prof.__enter__()
     try:
         yield prof
     finally:
-        with _native_stderr_silenced():
+        with _native_stderr_silenced(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
             prof.__exit__(None, None, None)
 
 

@@ -104,6 +104,8 @@ def test_bench_distributed_scenario_times_one_process_and_ddp_on_the_cpu(tmp_pat
     assert list(rows) == ["one process, no DDP", "DDP, world 1 (torchrun)", "DDP, world 2"]
     assert [rows[n].get("world_size") for n in rows] == [1, 1, 2], [r.get("error") for r in rows.values()]
     assert all(r["step_ms"]["n"] == 2 and r["backend"] == "gloo" for r in rows.values())
-    assert set(result["derived"]) == {"ddp_overhead_world_1", "rank_step_overhead_world_2", "same_losses_world_1"}
-    assert result["derived"]["same_losses_world_1"] is True
+    assert set(result["derived"]) == {"ddp_overhead_world_1", "rank_step_overhead_world_2", "same_first_loss_world_1",
+                                      "loss_max_rel_diff_world_1"}
+    assert result["derived"]["same_first_loss_world_1"] is True
+    assert result["derived"]["loss_max_rel_diff_world_1"] == 0.0     # a CPU run is deterministic: bitwise
     assert result["config"]["world_size"] == 2

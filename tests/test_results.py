@@ -150,3 +150,40 @@ def test_packed_configs_keep_the_newest_word_and_the_headline_keeps_one_session(
     head = results.packed_headline(backends=("sdpa", "flex"), root=tmp_path)    # only "old" ran naive on both
     assert [(results.run_of(d), d["config"]["backend"]) for d in head] == [("old", "sdpa"), ("old", "flex")]
     assert results.packed_headline(model="other", root=tmp_path) == []
+
+
+def _frontier_doc(run, date, model="qwen3-14b", tokens=8192):
+    gib = 2**30
+    plan = lambda b, choices, ms, peak, pred: {  # noqa: E731
+        "name": f"{b} GiB: {choices}", "step_ms": {"median": ms, "n": 5}, "peak_mem_bytes": peak * gib,
+        "toggles": {"memory_budget_bytes": b * gib, "predicted_peak_bytes": pred * gib}}
+    return {"scenario": "budget", "env": {"device": "cuda", "date": date, "gpu_name": "GPU"},
+            "config": {"model": model, "num_layers": 40, "tokens_per_step": tokens, "quant": "nf4", "lora_rank": 16,
+                       "autocast": "bf16", "floor": {"packed_attention": "varlen"}},
+            "variants": [plan(15, "40 offload", 1700.0, 15, 15), plan(90, "40 keep", 1200.0, 88, 90),
+                         {"name": "offload x2 + prefetch everywhere (README recipe)",
+                          "step_ms": {"median": 1680.0, "n": 5}, "peak_mem_bytes": 15 * gib},
+                         {"name": "no checkpointing", "error": "out of memory"}]}
+
+
+def test_the_frontier_reads_the_newest_per_configuration_and_rates_each_plan_against_the_recipe(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    from fastsft_lab.lab import plots, report
+
+    files = {"a/b/q.json": _frontier_doc("a", "2026-01-01"), "b/b/q.json": _frontier_doc("b", "2026-01-02"),
+             "a/b/o.json": _frontier_doc("a", "2026-01-01", model="gpt-oss-20b")}
+    for rel, doc in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(json.dumps(doc))
+    docs = results.budget_results(root=tmp_path)
+    assert [(d["config"]["model"], results.run_of(d)) for d in docs] == [("qwen3-14b", "b"), ("gpt-oss-20b", "a")]
+    rows = {r["name"]: r for r in report.frontier_rows(docs[0])}
+    assert rows["90 GiB: 40 keep"]["speed"] == 1680.0 / 1200.0          # against the recipe, higher is faster
+    assert rows["90 GiB: 40 keep"]["predicted"] == 90 * 2**30 and rows["90 GiB: 40 keep"]["peak"] == 88 * 2**30
+    assert rows["no checkpointing"]["ms"] is None and rows["no checkpointing"]["error"] == "out of memory"
+    text = report.frontier_text(docs[0])
+    assert "1.40x" in text and "did not run: out of memory" in text
+    fig = plots.plot_frontier(docs)
+    assert len(fig.axes) == 2
+    assert [len(line.get_xdata()) for line in fig.axes[0].lines][0] == 2      # the two plans joined by one line

@@ -682,6 +682,37 @@ def plot_headline(rows: Sequence[dict]):
     return fig
 
 
+def plot_frontier(docs: Sequence[dict]):
+    """Per memory-plan frontier (``results.budget_results``): step time against measured peak memory (predicted
+    where none was measured), the plans joined by a line from the smallest (every layer offloaded) to keeping
+    everything, the README recipe and no checkpointing as their own markers, each plan labelled with its choices."""
+    from .report import frontier_rows
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(docs), figsize=(5.2 * len(docs), 3.6), squeeze=False)
+    for ax, doc in zip(axes[0], docs, strict=True):
+        rows = [r for r in frontier_rows(doc) if r["ms"] is not None]
+        plans = [r for r in rows if r["budget"] is not None]
+        x = [(r["peak"] or r["predicted"]) / 2**30 for r in plans]
+        ax.plot(x, [r["ms"] for r in plans], "o-", color=_BLUE, label="memory plan, per budget")
+        for xi, r in zip(x, plans, strict=True):
+            ax.annotate(r["name"].split(": ", 1)[-1], (xi, r["ms"]), fontsize=6.5, xytext=(4, 4),
+                        textcoords="offset points")
+        for r, marker, color in ((next((r for r in rows if r["name"].startswith("offload x2")), None), "s", _ORANGE),
+                                 (next((r for r in rows if r["name"] == "no checkpointing"), None), "^", _GREY)):
+            if r is not None and (r["peak"] or r["predicted"]):
+                ax.plot([(r["peak"] or r["predicted"]) / 2**30], [r["ms"]], marker, color=color, ms=8,
+                        label=r["name"], alpha=0.8)
+        c = doc["config"]
+        ax.set_title(f"{c['model']}, {c.get('num_layers')} layers, {c.get('tokens_per_step')} tokens/step", fontsize=9)
+        ax.set_xlabel("peak memory, GiB" + ("" if plans and plans[0]["peak"] else " (predicted)"), fontsize=8)
+        ax.set_ylabel("step ms (median; lower is better)", fontsize=8)
+        ax.set_ylim(0, 1.12 * max(r["ms"] for r in rows))
+        ax.legend(fontsize=7, loc="lower left")
+    fig.suptitle(f"the memory plan's frontier: {_where(docs[0])}", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def peer_rows(peer: Sequence[dict], same: Sequence[dict]) -> list[tuple[str, float, int | None, int | None]]:
     """One comparison of :func:`.results.peer_results` as rows ``(name, median step ms, peak bytes, host syncs)``:
     the peer's runs first, then our transformers default / all naive / all fast per kernel floor."""
@@ -739,5 +770,5 @@ def plot_loss_curves(doc: dict):
 
 __all__ = ["save_figure", "plot_result", "plot_limit_gap", "plot_waterfall", "plot_regime", "plot_offload_result",
            "plot_across_tokens", "plot_sweep", "plot_timeline", "plot_timelines", "plot_host_device_timeline",
-           "plot_offload_link", "plot_breakdown", "BREAKDOWN_COLORS", "plot_experts_profile", "plot_expert_grouping", "peer_rows", "plot_peer",
+           "plot_offload_link", "plot_breakdown", "BREAKDOWN_COLORS", "plot_experts_profile", "plot_expert_grouping", "plot_frontier", "peer_rows", "plot_peer",
            "plot_loss_curves"]

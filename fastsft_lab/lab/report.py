@@ -317,6 +317,83 @@ def _mem_parts(v: dict) -> str:
     return " → ".join(f"{b / 2**30:.2f}" if b else "–" for b in parts)
 
 
+def frontier_rows(doc: dict) -> list[dict]:
+    """One memory-plan frontier (``bench --only budget``) as rows: each budget's plan, then the README recipe and no
+    checkpointing, with step ms, predicted and measured peak (bytes; None where not recorded), speed against the
+    recipe ("x": higher is faster) and the error of a variant that did not run (e.g. out of memory)."""
+    recipe = next((v for v in doc["variants"] if v["name"].startswith("offload x2") and "step_ms" in v), None)
+    rows = []
+    for v in doc["variants"]:
+        t = v.get("toggles", {})
+        row = {"name": v["name"], "budget": t.get("memory_budget_bytes"), "predicted": t.get("predicted_peak_bytes"),
+               "peak": v.get("peak_mem_bytes"), "ms": v["step_ms"]["median"] if "step_ms" in v else None,
+               "error": v.get("error"), "syncs": v.get("host_syncs_per_step")}
+        row["speed"] = recipe["step_ms"]["median"] / row["ms"] if recipe and row["ms"] else None
+        rows.append(row)
+    return rows
+
+
+def _frontier_header(doc: dict) -> str:
+    c = doc["config"]
+    quant = "NF4 + LoRA" if c.get("quant") == "nf4" else f"{c.get('dtype', 'bf16')} + LoRA"
+    return (f"{c['model']}, {_depth(c)}, {quant} r{c.get('lora_rank')}, {c.get('tokens_per_step')} tokens/step, "
+            f"autocast {c.get('autocast')}, floor: {', '.join(f'{k}={v}' for k, v in c.get('floor', {}).items())}")
+
+
+def frontier_text(doc: dict) -> str:
+    """A frontier of :func:`.results.budget_results` as text (one line per budget and reference), for notebooks."""
+    g = lambda b: f"{b / 2**30:6.1f}" if b else f"{'–':>6s}"          # noqa: E731
+    out = [f"{_frontier_header(doc)} | {R.describe_run(doc)}",
+           f"  {'plan (budget: choices)':44s} {'step ms':>8s} {'vs recipe':>9s} {'predicted':>9s} {'peak GiB':>8s}"]
+    for r in frontier_rows(doc):
+        if r["ms"] is None:
+            out.append(f"  {r['name'][:44]:44s} did not run: {(r['error'] or '')[:80]}")
+            continue
+        out.append(f"  {r['name'][:44]:44s} {r['ms']:8.1f} {r['speed']:8.2f}x {g(r['predicted']):>9s} {g(r['peak']):>8s}")
+    return "\n".join(out)
+
+
+def budget_table() -> str:
+    docs = R.budget_results()
+    if not docs:
+        return "_No committed GPU run of `bench --only budget` yet._"
+    g = lambda b: f"{b / 2**30:.1f}" if b else "–"          # noqa: E731
+    out = []
+    for doc in docs:
+        out += [f"**{_frontier_header(doc)}**\n", "| plan (budget: choices) | step ms (median) | vs recipe | "
+                "predicted peak GiB | measured peak GiB | host syncs/step |", "|---|---|---|---|---|---|"]
+        for r in frontier_rows(doc):
+            if r["ms"] is None:
+                out.append(f"| {r['name']} | did not run: {(r['error'] or '')[:80]} | | | | |")
+            else:
+                out.append(f"| {r['name']} | {r['ms']:.1f} | {r['speed']:.2f}x | {g(r['predicted'])} | {g(r['peak'])} | "
+                           f"{r['syncs'] if r['syncs'] is not None else '–'} |")
+        out.append(f"\nSource: {_source([doc])}.\n")
+    return "\n".join(out).rstrip()
+
+
+def peer_verdict(peer: list[dict], same: list[dict]) -> dict | None:
+    """Who leads in one comparison of :func:`.results.peer_results`: the peer's fastest row against our fastest "all
+    fast" row of the same session, by medians (``speed``: higher is ours faster) and by the peer's mean step
+    (``speed_by_mean``, where its steps are recorded), with our peak memory over the peer's (``memory``, None where
+    either is not recorded). None when either side has no timed row."""
+    peers = [v for d in peer for v in d["variants"] if "step_ms" in v]
+    ours = [(d["config"].get("kernels"), v) for d in same for v in d["variants"]
+            if v["name"] == "all fast" and "step_ms" in v]
+    if not peers or not ours:
+        return None
+    p = min(peers, key=lambda v: v["step_ms"]["median"])
+    kernels, o = min(ours, key=lambda kv: kv[1]["step_ms"]["median"])
+    verdict = {"peer": p, "ours": o, "kernels": kernels, "speed": p["step_ms"]["median"] / o["step_ms"]["median"],
+               "memory": (o["peak_mem_bytes"] / p["peak_mem_bytes"]
+                          if o.get("peak_mem_bytes") and p.get("peak_mem_bytes") else None)}
+    steps = p.get("samples_ms", {}).get("step")
+    if steps:
+        verdict["peer_mean_ms"] = sum(steps) / len(steps)
+        verdict["speed_by_mean"] = verdict["peer_mean_ms"] / o["step_ms"]["median"]
+    return verdict
+
+
 def peer_table() -> str:
     comparisons = R.peer_results()
     if not comparisons:
@@ -342,20 +419,16 @@ def _peer_section(docs: list[dict], same: list[dict]) -> str:
             if v["name"] in R.PEER_OUR_VARIANTS and "step_ms" in v:
                 out.append(f"| fastsft_lab {v['name']} (kernels {d['config']['kernels']}) | {_ms(v)} | {_spread(v)} | "
                            f"{v['step_ms'].get('n', '–')} | {_mem_parts(v)} | {v.get('host_syncs_per_step', '–')} |")
-    peer = {v["name"]: v for d in docs for v in d["variants"] if "step_ms" in v}
-    best_peer = min(peer.values(), key=lambda v: v["step_ms"]["median"], default=None)
-    ours = [(d["config"]["kernels"], v) for d in same for v in d["variants"] if v["name"] == "all fast" and "step_ms" in v]
-    if best_peer and ours:
-        kernels, v = min(ours, key=lambda kv: kv[1]["step_ms"]["median"])
-        speed = best_peer["step_ms"]["median"] / v["step_ms"]["median"]
-        mem = v["peak_mem_bytes"] / best_peer["peak_mem_bytes"]
-        out.append(f"\nfastsft_lab all fast (kernels {kernels}) vs {best_peer['name']}: {speed:.2f}x the speed (medians) "
-                   f"at {mem:.2f}x the peak memory.")
+    verdict = peer_verdict(docs, same)
+    if verdict:
+        best_peer, v = verdict["peer"], verdict["ours"]
+        mem = f" at {verdict['memory']:.2f}x the peak memory" if verdict["memory"] else ""
+        out.append(f"\nfastsft_lab all fast (kernels {verdict['kernels']}) vs {best_peer['name']}: "
+                   f"{verdict['speed']:.2f}x the speed (medians){mem}.")
         samples = best_peer.get("samples_ms", {}).get("step")
         if samples:
-            mean = sum(samples) / len(samples)
-            out.append(f"By the mean of its {len(samples)} measured steps ({mean:.1f} ms: what a run's wall clock pays) "
-                       f"against our median: {mean / v['step_ms']['median']:.2f}x the speed.")
+            out.append(f"By the mean of its {len(samples)} measured steps ({verdict['peer_mean_ms']:.1f} ms: what a run's "
+                       f"wall clock pays) against our median: {verdict['speed_by_mean']:.2f}x the speed.")
         if R.unsettled(best_peer):
             out.append(f"The ratio compares medians of {best_peer['step_ms']['n']} steps; {best_peer['name']}'s steps "
                        f"spread {R.step_spread(best_peer):.1f}x from p20 to p80 (ours: {R.step_spread(v):.2f}x), "
@@ -939,25 +1012,21 @@ def peer_text(peer: list[dict], same: list[dict]) -> str:
     for name, ms, peak, syncs in peer_rows(peer, same):
         gib = f"{peak / 2**30:6.1f} GiB" if peak else f"{'–':>6s} GiB"
         out.append(f"  {name:60s} {ms:8.1f} ms   {gib}   syncs {syncs if syncs is not None else '–'}")
-    peers = [v for d in peer for v in d["variants"] if "step_ms" in v]
-    ours = [v for d in same for v in d["variants"] if v["name"] == "all fast" and "step_ms" in v]
-    if peers and ours:
-        p, o = min(peers, key=lambda v: v["step_ms"]["median"]), min(ours, key=lambda v: v["step_ms"]["median"])
-        mem = (f" at {o['peak_mem_bytes'] / p['peak_mem_bytes']:.2f}x the peak memory"
-               if o.get("peak_mem_bytes") and p.get("peak_mem_bytes") else "")
-        out.append(f"  ours (all fast) vs {p['name']}: {p['step_ms']['median'] / o['step_ms']['median']:.2f}x the speed "
+    verdict = peer_verdict(peer, same)
+    if verdict:
+        p, o = verdict["peer"], verdict["ours"]
+        mem = f" at {verdict['memory']:.2f}x the peak memory" if verdict["memory"] else ""
+        out.append(f"  ours (all fast) vs {p['name']}: {verdict['speed']:.2f}x the speed "
                    f"by medians ({p['step_ms']['n']} and {o['step_ms']['n']} steps){mem}")
-        steps = p.get("samples_ms", {}).get("step")
-        if steps:
-            mean = sum(steps) / len(steps)
-            out.append(f"  by {p['name']}'s mean step ({mean:.1f} ms, what a run's wall clock pays): "
-                       f"{mean / o['step_ms']['median']:.2f}x")
+        if "peer_mean_ms" in verdict:
+            out.append(f"  by {p['name']}'s mean step ({verdict['peer_mean_ms']:.1f} ms, what a run's wall clock pays): "
+                       f"{verdict['speed_by_mean']:.2f}x")
         for who, v in (("peer", p), ("ours", o)):
             parts = [v.get(k) for k in ("resident_mem_bytes", "forward_peak_mem_bytes", "peak_mem_bytes")]
             if all(parts):
                 out.append(f"  {who} memory, resident -> after forward -> peak: "
                            + " -> ".join(f"{b / 2**30:.2f}" for b in parts) + " GiB")
-    elif not ours:
+    elif not any(v["name"] == "all fast" and "step_ms" in v for d in same for v in d["variants"]):
         out.append("  no combined run of ours in the same session: no ratio (none from another session stands in)")
     for d in peer + same:                  # a median says little when the steps spread: show every measured step
         for v in d["variants"]:
@@ -1024,7 +1093,7 @@ def loss_curves_text(doc: dict | None) -> str:
 
 TABLES = {"headline": headline_table, "combined": combined_table, "packed": packed_table, "regime": regime_table, "offload": offload_table,
           "moe": moe_table, "soak": soak_table, "peer": peer_table, "offload_link": offload_link_table,
-          "breakdown": breakdown_table}
+          "breakdown": breakdown_table, "budget": budget_table}
 
 
 RESULTS_MD = README.parent / "docs" / "results.md"
@@ -1046,7 +1115,7 @@ def write_readme(paths=DOCS) -> str:
     return ", ".join(str(p) for p in paths)
 
 
-__all__ = ["TABLES", "combined_summary", "attribution_text", "PUBLISHED_STEP", "PUBLISHED_GLUE_GAIN", "config_header", "peer_text",
+__all__ = ["TABLES", "combined_summary", "attribution_text", "PUBLISHED_STEP", "PUBLISHED_GLUE_GAIN", "config_header", "peer_text", "peer_verdict", "frontier_rows", "frontier_text",
            "breakdown_text", "loss_curves_text", "moe_runs_text", "experts_profile_text", "offload_derived_text", "offload_overlap_text",
            "offload_vram_text", "offload_sweep_text", "offload_link_text", "packed_configs_text",
            "packed_findings_text", "packed_variants_text", "packed_regime_text", "packed_collated_text", "MOE_DEFAULT", "render", "write_readme", "write_headline_chart", "headline_rows", "headline_table", "README",

@@ -333,7 +333,18 @@ def breakdown_results(root=None, device_type: str | None = "cuda") -> list[dict]
                                        d["config"].get("kernels") != "none", d["config"].get("autocast", "none") != "none"))
 
 
-__all__ = ["all_results", "load_results", "run_of", "newest_per_config", "describe_run", "build_index", "write_index",
+def budget_results(root=None, device_type: str | None = "cuda") -> list[dict]:
+    """The newest committed memory-plan frontier (``bench --only budget``) of each (model, depth, tokens per step,
+    quantisation, autocast), across runs, dense models first, then by tokens."""
+    def key(d: dict) -> tuple:
+        c = d["config"]
+        return c["model"], c.get("num_layers"), c.get("tokens_per_step"), c.get("quant"), c.get("autocast", "none")
+    docs = newest_per_config(load_results("budget", root=root, device_type=device_type), key)
+    return sorted(docs, key=lambda d: ("gpt-oss" in d["config"]["model"], d["config"]["model"],
+                                       d["config"].get("tokens_per_step") or 0))
+
+
+__all__ = ["budget_results", "all_results", "load_results", "run_of", "newest_per_config", "describe_run", "build_index", "write_index",
            "repo_results_dir", "INDEX", "step_spread", "unsettled", "UNSETTLED_SPREAD", "offload_results",
            "packed_regime", "packed_key", "packed_configs", "packed_headline", "combined_results", "newest_peak_gib", "peer_results", "PEER_OUR_VARIANTS", "experts_profile",
            "experts_profile_rows", "breakdown_results"]

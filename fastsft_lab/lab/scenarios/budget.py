@@ -39,7 +39,7 @@ class BudgetOptions:
     dtype: str = option("bfloat16", kind="str", help="parameter dtype")
     tokens: list = option([8192, 16384], kind="ints", help="tokens per step (one frontier each)")
     row_tokens: int = option(8192, kind="int", help="tokens per packed row")
-    points: int = option(5, kind="int", help="budgets per frontier, from the smallest plan to keeping everything")
+    points: int = option(5, kind="int", help="budgets per frontier, from the smallest plan to keeping everything (or 90% of the free GPU memory)")
     budgets: list = option([], kind="strs", help="budgets in GiB instead of the even spread (e.g. 40,60,80)")
     steps: int = option(5, kind="int", help="measured steps per variant")
     warmup: int = option(2, kind="int", help="warm-up steps per variant")
@@ -51,6 +51,10 @@ class BudgetOptions:
                        autocast="none", dtype="float32" if device.type == "cpu" else "bfloat16", tokens=[512],
                        row_tokens=256, points=4, steps=3, warmup=1)
         return cls()
+
+
+USABLE = 0.9
+"""The share of a GPU's free memory the frontier goes up to (what ``apply(memory_budget="90%")`` gives)."""
 
 
 def _gib(b: float) -> float:
@@ -71,11 +75,13 @@ def budgets_between(lo: int, hi: int, points: int) -> list[int]:
 
 def calibrate(model, batch, autocast: str, budget_gib: float | None = None) -> P.MemoryPlanner:
     """apply(memory_budget=...)'s own measurement on ``batch``: step 1 measures, step 2 solves (no optimizer step).
-    Returns the planner (its costs, and the plan for ``budget_gib``, default the device's whole memory); the plan
+    Returns the planner (its costs, and the plan for ``budget_gib``, default :data:`USABLE` of the GPU's free memory
+    -- the allocator's fragmentation and the CUDA context need the rest -- or the host's memory on a CPU); the plan
     stays on the model until ``apply(model, memory_budget="off")``."""
     device = batch.input_ids.device
-    total, _ = P.device_memory(device)
-    toggles.apply(model, memory_budget=budget_gib if budget_gib is not None else (_gib(total) if total else 1024))
+    total, free = P.device_memory(device)
+    default = f"{USABLE:.0%}" if free is not None else (_gib(total) if total else 1024)
+    toggles.apply(model, memory_budget=budget_gib if budget_gib is not None else default)
     (variant,) = with_autocast([Variant("calibration")], autocast)
     for _ in range(2):
         with variant.context(model) if variant.context else torch.enable_grad():
@@ -163,9 +169,11 @@ class BudgetScenario(Scenario):
             costs, base, staging = dict(planner.costs), planner.base(tokens), planner.staging
             full = [planner.costs[k].at(tokens) for k in planner.kinds]
             keep_all = base + sum(c.held["keep"] for c in full) - staging
+            _, free = P.device_memory(device)
+            top = min(keep_all, int(USABLE * free)) if free is not None else keep_all   # where keeping all fits
             toggles.apply(model, memory_budget="off")
             budgets = ([int(float(b) * P.GiB) for b in opts.budgets] if opts.budgets
-                       else budgets_between(base, keep_all, opts.points))
+                       else budgets_between(base, top, opts.points))
             plans, seen = [], set()
             for b in budgets:
                 try:
