@@ -6,7 +6,6 @@ Run: python benchmarks/gpu_probe.py  (prints a report; nothing here is a benchma
 import inspect
 import importlib
 import time
-import traceback
 
 import torch
 

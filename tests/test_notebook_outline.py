@@ -48,3 +48,44 @@ def test_outputs_print_no_raw_flags_or_json(path):
 def test_code_cell_budget(path):
     n = sum(1 for c in _cells(path) if c["cell_type"] == "code")
     assert n <= CODE_CELL_BUDGET, f"{path.name}: {n} code cells (budget {CODE_CELL_BUDGET})"
+
+
+ENV_LINE = re.compile(r"^(?:GPU (?P<gpu>.+?)|CPU.*?) \| torch (?P<torch>\S+) \|.*\| smoke=(?P<smoke>True|False) \| "
+                      r"(?P<date>\d{4}-\d\d-\d\d)", re.M)
+
+
+def stated_origin_mismatch(cells) -> str | None:
+    """Where the first cell's "The outputs below" says the outputs come from, against the environment line the run
+    itself printed (``describe()``: device, torch, smoke, date); None when they agree."""
+    first = "".join(cells[0]["source"])
+    said = first[first.find("**The outputs below**"):].split("\n\n")[0]
+    if not said:
+        return "the first cell does not say where the outputs come from (**The outputs below** ...)"
+    printed = "".join("".join(o.get("text", "")) for c in cells if c["cell_type"] == "code" for o in c.get("outputs", []))
+    m = ENV_LINE.search(printed)
+    if not m:
+        return "no environment line (describe()) in the outputs"
+    if m["smoke"] == "True" and "smoke mode" not in said:
+        return f"the outputs are a smoke run ({m['date']}) but the first cell says: {said[:120]!r}"
+    if m["smoke"] == "False" and not (m["gpu"] and m["gpu"].removeprefix("NVIDIA ") in said and "SMOKE=0" in said):
+        return f"the outputs are a {m['gpu']} run with SMOKE=0 ({m['date']}) but the first cell says: {said[:120]!r}"
+    if m["date"] not in said:
+        return f"the run's date {m['date']} is not in the first cell's statement: {said[:120]!r}"
+    return None
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_the_first_cell_says_where_the_outputs_come_from(path):
+    assert stated_origin_mismatch(_cells(path)) is None, f"{path.name}: {stated_origin_mismatch(_cells(path))}"
+
+
+def test_a_stale_origin_statement_is_caught():
+    """Mutation check: a GPU run's outputs under a first cell that still says smoke mode, and the reverse."""
+    gpu = [{"cell_type": "markdown", "source": "**The outputs below** come from a CPU run in smoke mode (2026-01-01)."},
+           {"cell_type": "code", "source": "", "outputs": [
+               {"output_type": "stream", "text": "GPU NVIDIA H200 | torch 2.11 | x | smoke=False | 2026-01-01T00:00Z\n"}]}]
+    assert "SMOKE=0" in stated_origin_mismatch(gpu)
+    gpu[0]["source"] = "**The outputs below** come from one run on an NVIDIA H200 (`SMOKE=0`, 2026-01-01)."
+    assert stated_origin_mismatch(gpu) is None
+    gpu[1]["outputs"][0]["text"] = "CPU (2 cores) | torch 2.13 | x | smoke=True | 2026-01-01T00:00Z\n"
+    assert "smoke run" in stated_origin_mismatch(gpu)

@@ -352,7 +352,6 @@ def test_recompute_reuses_packed_metadata():
     batch = _batch()
     packed.enable_packed_attention(model, backend="sdpa", cache=True)
     inputs = packed.packed_inputs(batch)
-    meta = inputs["packed_metadata"]
     ref = _standard(model, dict(inputs, packed_metadata=packed.packed_inputs(batch)["packed_metadata"]))
     with packed.BuildLog() as log:
         with torch.no_grad():

@@ -707,6 +707,7 @@ def plot_frontier(docs: Sequence[dict]):
         ax.set_xlabel("peak memory, GiB" + ("" if plans and plans[0]["peak"] else " (predicted)"), fontsize=8)
         ax.set_ylabel("step ms (median; lower is better)", fontsize=8)
         ax.set_ylim(0, 1.12 * max(r["ms"] for r in rows))
+        ax.margins(x=0.15)                                   # room for the last plan's label
         ax.legend(fontsize=7, loc="lower left")
     fig.suptitle(f"the memory plan's frontier: {_where(docs[0])}", fontsize=8)
     fig.tight_layout()

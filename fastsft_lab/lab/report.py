@@ -343,13 +343,15 @@ def _frontier_header(doc: dict) -> str:
 def frontier_text(doc: dict) -> str:
     """A frontier of :func:`.results.budget_results` as text (one line per budget and reference), for notebooks."""
     g = lambda b: f"{b / 2**30:6.1f}" if b else f"{'–':>6s}"          # noqa: E731
+    rows = frontier_rows(doc)
+    w = max([len("plan (budget: choices)")] + [len(r["name"]) for r in rows])
     out = [f"{_frontier_header(doc)} | {R.describe_run(doc)}",
-           f"  {'plan (budget: choices)':44s} {'step ms':>8s} {'vs recipe':>9s} {'predicted':>9s} {'peak GiB':>8s}"]
-    for r in frontier_rows(doc):
+           f"  {'plan (budget: choices)':{w}s} {'step ms':>8s} {'vs recipe':>9s} {'predicted':>9s} {'peak GiB':>8s}"]
+    for r in rows:
         if r["ms"] is None:
-            out.append(f"  {r['name'][:44]:44s} did not run: {(r['error'] or '')[:80]}")
+            out.append(f"  {r['name']:{w}s} did not run: {(r['error'] or '')[:80]}")
             continue
-        out.append(f"  {r['name'][:44]:44s} {r['ms']:8.1f} {r['speed']:8.2f}x {g(r['predicted']):>9s} {g(r['peak']):>8s}")
+        out.append(f"  {r['name']:{w}s} {r['ms']:8.1f} {r['speed']:8.2f}x {g(r['predicted']):>9s} {g(r['peak']):>8s}")
     return "\n".join(out)
 
 

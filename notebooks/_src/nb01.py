@@ -1,8 +1,9 @@
 FILENAME = "01_packed_metadata.ipynb"
 
 # where the committed outputs come from (appended to the first cell by build.py)
-OUTPUTS = """**The outputs below** come from a CPU run in smoke mode (`SMOKE=1`, tiny models, torch 2.13, 2026-12-04); every
-GPU figure in them is read from the committed H200 results. On a GPU the same cells run at real width."""
+OUTPUTS = """**The outputs below** come from one run on an NVIDIA H200 (`SMOKE=0`, torch 2.11, transformers 5.17, 2026-12-05;
+run `benchmarks/results/h200-2026-12-05b`, whose README has the log). CI re-runs every cell in smoke mode on a CPU
+(nbval, lax: the outputs are not compared)."""
 
 CELLS = [
 ("md", r'''

@@ -1,8 +1,9 @@
 FILENAME = "02_double_buffered_offload.ipynb"
 
 # where the committed outputs come from (appended to the first cell by build.py)
-OUTPUTS = """**The outputs below** come from a CPU run in smoke mode (`SMOKE=1`, tiny models, torch 2.13, 2026-12-04); every
-GPU figure in them is read from the committed H200 results. On a GPU the same cells run at real width."""
+OUTPUTS = """**The outputs below** come from one run on an NVIDIA H200 (`SMOKE=0`, torch 2.11, transformers 5.17, 2026-12-05;
+run `benchmarks/results/h200-2026-12-05b`, whose README has the log). CI re-runs every cell in smoke mode on a CPU
+(nbval, lax: the outputs are not compared)."""
 
 CELLS = [
 ("md", r'''
@@ -422,13 +423,15 @@ for 74.5 GiB more memory, and 1.41x at GPT-OSS-20B x24 (363 vs 512 ms) for 20.5 
 and "every layer offloaded" there is a whole frontier, layer by layer:
 - **keep** a layer's activations while memory lasts: no recompute at all;
 - **selective**: save only the matmul and attention outputs and recompute the cheap elementwise ops, norms and
-  activations: most of the recompute's time back for a fraction of the memory;
+  activations: on paper most of the recompute's time back for a fraction of the memory; measured on the H200 it
+  took longer than recomputing the whole layer (torch's per-op policy runs every op of the layer through a dispatch
+  mode, and the NF4 matmuls are bitsandbytes ops it does not save), so no plan there picks it;
 - **checkpoint** (input kept) or **offload** (input in pinned host memory, the double buffer of this notebook): the
   whole layer recomputed; offload also frees the input, at the price of the copies where they are not hidden.
 
 `fastsft_lab.apply(model, memory_budget=80)` measures each choice on the first step and picks the fastest mix that
 fits 80 GiB (`fastsft_lab.offload.plan`; every mix computes what plain training computes, tested on the CPU).
-`bench --only budget` measures the frontier; its GPU run is still to come.
+`bench --only budget` measures the frontier; notebook 04 draws the one committed from the H200.
 '''),
 ("md", r'''
 ## Summary, next bottleneck and further reading

@@ -265,6 +265,23 @@ All fast trades host resources and constraints for GPU time: pinned host memory 
 staging buffer on the GPU, packed rows from a collator that keeps sequence lengths on the host, and a fused loss
 that returns no logits with labels. Peak GPU memory stands beside each variant in the tables above. Every switch
 turns off on its own, back to the original model to the bit.
+
+Memory buys time too. Checkpointing pays a second forward for every layer it recomputes; `fastsft_lab.apply(model,
+memory_budget=...)` keeps the activations of as many layers as the budget holds and offloads the rest, each kept
+layer one recompute fewer (notebook 02 says when to keep, recompute or offload). The committed frontier of
+`python -m fastsft_lab bench --only budget` below runs each budget's plan against the README recipe (every layer
+offloaded) and no checkpointing on the same batches, with the peak the plan predicted beside the one measured.
+'''),
+("code", r'''
+# The memory plan's frontier at full depth: step time against peak memory, from every layer offloaded to every
+# activation kept; the committed JSON, read by fastsft_lab.lab.report (the same figures on any machine).
+frontier = results.budget_results()
+if not frontier:
+    print("No committed GPU run of the budget scenario yet (python -m fastsft_lab bench --only budget).")
+else:
+    print("\n\n".join(report.frontier_text(doc) for doc in frontier))
+    fig = plots.plot_frontier(frontier)
+    display(fig); plt.close(fig)
 '''),
 ("md", r'''
 ## Summary and next bottleneck
