@@ -248,6 +248,8 @@ MUTATIONS = [
              "exclude = {p.untyped_storage().data_ptr() for p in params}", (TPL, "-k", "frozen")),
     Mutation("plan-never-replans", O + "plan.py",
              "if self.plan is None or target > self.plan.tokens:", "if self.plan is None:", (TPL, "-k", "replans")),
+    Mutation("plan-selective-recomputes-nf4-matmuls", O + "plan.py",
+             '_SAVED_CUSTOM_OPS = (("bitsandbytes", "gemm_4bit"),)', "_SAVED_CUSTOM_OPS = ()", (TPL, "-k", "nf4")),
 ]
 
 

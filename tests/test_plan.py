@@ -497,3 +497,48 @@ def test_frozen_weights_autograd_saves_are_not_counted_as_held():
     frozen_bytes = sum(p.numel() * p.element_size() for p in frozen if p.dim() == 2)
     assert counted.held["keep"] - resident.held["keep"] >= 0.9 * frozen_bytes, (counted.held, resident.held)
     assert resident.held["keep"] > resident.held["checkpoint"]
+
+
+def test_selective_saves_the_nf4_matmuls_and_stays_exact():
+    """QLoRA's NF4 projections are one custom op (``bitsandbytes::gemm_4bit``) to a dispatch mode: the selective
+    choice saves their outputs as it saves aten matmuls, so its recompute in backward runs no NF4 matmul (a full
+    checkpoint runs every one again), and the step equals plain training's to the bit."""
+    pytest.importorskip("bitsandbytes")
+    from fastsft_lab._compat import TorchDispatchMode
+
+    model = build_model("tiny-qwen3", device="cpu", dtype=torch.bfloat16, num_layers=2, quant="nf4",
+                        lora=LoraSettings(rank=4))
+    model.train()
+    gemm = torch.ops.bitsandbytes.gemm_4bit
+    assert gemm in P.saved_ops()
+    inputs = _batch()
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.overloadpacket is gemm
+            return func(*args, **(kwargs or {}))
+
+    def backward_gemms(choices):
+        P.set_plan(model, choices)
+        loss = model(**inputs).loss
+        with Count() as count:
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+        return count.n
+
+    reference = _step(model, inputs)
+    fastsft_lab.apply(model, memory_budget=16)
+    try:
+        _step(model, inputs)                                     # step 1 measures
+        per_layer = backward_gemms(("checkpoint", "keep")) - backward_gemms(("keep", "keep"))
+        assert per_layer == 7, per_layer                        # q, k, v, o, gate, up, down recomputed
+        assert backward_gemms(("selective", "keep")) == backward_gemms(("keep", "keep"))
+        for choices in [("selective", "selective"), ("selective", "offload")]:
+            P.set_plan(model, choices)
+            _assert_bitwise(reference, _step(model, inputs))
+    finally:
+        fastsft_lab.revert(model)

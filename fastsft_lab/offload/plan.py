@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field, replace
@@ -64,6 +65,22 @@ _SAVED_OP_NAMES = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_dot_
                    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
                    "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward")
 SAVED_OPS = frozenset(getattr(torch.ops.aten, n) for n in _SAVED_OP_NAMES if hasattr(torch.ops.aten, n))
+# Quantised matmuls are custom ops a dispatch mode sees whole (their dequantisation and matmul inside): QLoRA's
+# NF4 projections run as ``bitsandbytes::gemm_4bit``. Saved once bitsandbytes has registered it.
+_SAVED_CUSTOM_OPS = (("bitsandbytes", "gemm_4bit"),)
+
+
+def saved_ops() -> frozenset:
+    """The ops whose outputs the selective choice saves: :data:`SAVED_OPS` and the quantised matmuls of the libraries
+    imported so far (a library imported later is seen on the next call)."""
+    extra = []
+    for namespace, name in _SAVED_CUSTOM_OPS:
+        if namespace in sys.modules:
+            try:
+                extra.append(getattr(getattr(torch.ops, namespace), name))
+            except (AttributeError, RuntimeError):       # that version of the library has no such op
+                pass
+    return SAVED_OPS.union(extra)
 
 
 def _size(b: float) -> str:
@@ -71,10 +88,10 @@ def _size(b: float) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _policy(unsaved: frozenset) -> Callable:
+def _policy(unsaved: frozenset, saved: frozenset) -> Callable:
     def save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
         packet = getattr(op, "overloadpacket", op)
-        if packet in SAVED_OPS and packet not in unsaved:
+        if packet in saved and packet not in unsaved:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
     return save_matmuls
@@ -84,11 +101,11 @@ def selective_checkpoint(function: Callable, *args, unsaved: frozenset = frozens
     """``function(*args)`` under torch's selective checkpoint: matmul and attention outputs saved, the rest
     recomputed in backward. A drop-in for a layer's ``_gradient_checkpointing_func``.
 
-    ``unsaved``: ops of :data:`SAVED_OPS` to recompute anyway -- those whose output the layer changes in place
+    ``unsaved``: ops of :func:`saved_ops` to recompute anyway -- those whose output the layer changes in place
     (transformers' grouped-mm experts scale theirs): a saved output changed after saving would be wrong in the
     recompute, and torch refuses it (:func:`measure_layer` finds them)."""
     return checkpoint(function, *args, use_reentrant=False,
-                      context_fn=functools.partial(create_selective_checkpoint_contexts, _policy(unsaved)))
+                      context_fn=functools.partial(create_selective_checkpoint_contexts, _policy(unsaved, saved_ops())))
 
 
 def full_checkpoint(function: Callable, *args, **kwargs) -> Any:
@@ -110,7 +127,7 @@ class LayerCost:
     tokens: int
     seconds: dict[str, float]
     held: dict[str, int]
-    unsaved: frozenset = frozenset()      # SAVED_OPS the layer changes in place: recomputed by ``selective``
+    unsaved: frozenset = frozenset()      # saved_ops() the layer changes in place: recomputed by ``selective``
 
     def at(self, tokens: int) -> "LayerCost":
         if tokens == self.tokens:
@@ -136,12 +153,12 @@ class _SavedBytes:
         return t
 
     def mode(self) -> TorchDispatchMode:
-        counter = self
+        counter, saved = self, saved_ops()
 
         class _Outputs(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
-                if func.overloadpacket in SAVED_OPS:
+                if func.overloadpacket in saved:
                     for t in pytree.tree_leaves(out):
                         if isinstance(t, torch.Tensor):
                             st = t.untyped_storage()
@@ -614,6 +631,6 @@ def _read_state(model: nn.Module) -> dict:
 
 register_state_reader("memory_plan", _read_state)
 
-__all__ = ["CHOICES", "LayerCost", "Plan", "BudgetError", "MemoryPlanner", "measure_layer", "solve",
+__all__ = ["CHOICES", "saved_ops", "SAVED_OPS", "LayerCost", "Plan", "BudgetError", "MemoryPlanner", "measure_layer", "solve",
            "selective_checkpoint", "full_checkpoint", "parse_budget", "enable_memory_plan", "disable_memory_plan",
            "memory_planner", "set_plan", "layer_kinds"]

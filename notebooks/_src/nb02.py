@@ -423,9 +423,8 @@ for 74.5 GiB more memory, and 1.41x at GPT-OSS-20B x24 (363 vs 512 ms) for 20.5 
 and "every layer offloaded" there is a whole frontier, layer by layer:
 - **keep** a layer's activations while memory lasts: no recompute at all;
 - **selective**: save only the matmul and attention outputs and recompute the cheap elementwise ops, norms and
-  activations: on paper most of the recompute's time back for a fraction of the memory; measured on the H200 it
-  took longer than recomputing the whole layer (torch's per-op policy runs every op of the layer through a dispatch
-  mode, and the NF4 matmuls are bitsandbytes ops it does not save), so no plan there picks it;
+  activations: on paper most of the recompute's time back for a fraction of the memory; on the H200 (run
+  `h200-2026-12-05b`) it took longer than recomputing the whole layer, so no plan there picked it;
 - **checkpoint** (input kept) or **offload** (input in pinned host memory, the double buffer of this notebook): the
   whole layer recomputed; offload also frees the input, at the price of the copies where they are not hidden.
 
