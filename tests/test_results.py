@@ -178,7 +178,7 @@ def test_the_frontier_reads_the_newest_per_configuration_and_rates_each_plan_aga
         (tmp_path / rel).write_text(json.dumps(doc))
     docs = results.budget_results(root=tmp_path)
     assert [(d["config"]["model"], results.run_of(d)) for d in docs] == [("qwen3-14b", "b"), ("gpt-oss-20b", "a")]
-    rows = {r["name"]: r for r in report.frontier_rows(docs[0])}
+    rows = {r["name"]: r for r in results.frontier_rows(docs[0])}
     assert rows["90 GiB: 40 keep"]["speed"] == 1680.0 / 1200.0          # against the recipe, higher is faster
     assert rows["90 GiB: 40 keep"]["predicted"] == 90 * 2**30 and rows["90 GiB: 40 keep"]["peak"] == 88 * 2**30
     assert rows["no checkpointing"]["ms"] is None and rows["no checkpointing"]["error"] == "out of memory"

@@ -686,7 +686,7 @@ def plot_frontier(docs: Sequence[dict]):
     """Per memory-plan frontier (``results.budget_results``): step time against measured peak memory (predicted
     where none was measured), the plans joined by a line from the smallest (every layer offloaded) to keeping
     everything, the README recipe and no checkpointing as their own markers, each plan labelled with its choices."""
-    from .report import frontier_rows
+    from .results import frontier_rows
     plt = _plt()
     fig, axes = plt.subplots(1, len(docs), figsize=(5.2 * len(docs), 3.6), squeeze=False)
     for ax, doc in zip(axes[0], docs, strict=True):

@@ -317,22 +317,6 @@ def _mem_parts(v: dict) -> str:
     return " → ".join(f"{b / 2**30:.2f}" if b else "–" for b in parts)
 
 
-def frontier_rows(doc: dict) -> list[dict]:
-    """One memory-plan frontier (``bench --only budget``) as rows: each budget's plan, then the README recipe and no
-    checkpointing, with step ms, predicted and measured peak (bytes; None where not recorded), speed against the
-    recipe ("x": higher is faster) and the error of a variant that did not run (e.g. out of memory)."""
-    recipe = next((v for v in doc["variants"] if v["name"].startswith("offload x2") and "step_ms" in v), None)
-    rows = []
-    for v in doc["variants"]:
-        t = v.get("toggles", {})
-        row = {"name": v["name"], "budget": t.get("memory_budget_bytes"), "predicted": t.get("predicted_peak_bytes"),
-               "peak": v.get("peak_mem_bytes"), "ms": v["step_ms"]["median"] if "step_ms" in v else None,
-               "error": v.get("error"), "syncs": v.get("host_syncs_per_step")}
-        row["speed"] = recipe["step_ms"]["median"] / row["ms"] if recipe and row["ms"] else None
-        rows.append(row)
-    return rows
-
-
 def _frontier_header(doc: dict) -> str:
     c = doc["config"]
     quant = "NF4 + LoRA" if c.get("quant") == "nf4" else f"{c.get('dtype', 'bf16')} + LoRA"
@@ -343,7 +327,7 @@ def _frontier_header(doc: dict) -> str:
 def frontier_text(doc: dict) -> str:
     """A frontier of :func:`.results.budget_results` as text (one line per budget and reference), for notebooks."""
     g = lambda b: f"{b / 2**30:6.1f}" if b else f"{'–':>6s}"          # noqa: E731
-    rows = frontier_rows(doc)
+    rows = R.frontier_rows(doc)
     w = max([len("plan (budget: choices)")] + [len(r["name"]) for r in rows])
     out = [f"{_frontier_header(doc)} | {R.describe_run(doc)}",
            f"  {'plan (budget: choices)':{w}s} {'step ms':>8s} {'vs recipe':>9s} {'predicted':>9s} {'peak GiB':>8s}"]
@@ -364,7 +348,7 @@ def budget_table() -> str:
     for doc in docs:
         out += [f"**{_frontier_header(doc)}**\n", "| plan (budget: choices) | step ms (median) | vs recipe | "
                 "predicted peak GiB | measured peak GiB | host syncs/step |", "|---|---|---|---|---|---|"]
-        for r in frontier_rows(doc):
+        for r in R.frontier_rows(doc):
             if r["ms"] is None:
                 out.append(f"| {r['name']} | did not run: {(r['error'] or '')[:80]} | | | | |")
             else:
@@ -1117,7 +1101,7 @@ def write_readme(paths=DOCS) -> str:
     return ", ".join(str(p) for p in paths)
 
 
-__all__ = ["TABLES", "combined_summary", "attribution_text", "PUBLISHED_STEP", "PUBLISHED_GLUE_GAIN", "config_header", "peer_text", "peer_verdict", "frontier_rows", "frontier_text",
+__all__ = ["TABLES", "combined_summary", "attribution_text", "PUBLISHED_STEP", "PUBLISHED_GLUE_GAIN", "config_header", "peer_text", "peer_verdict", "frontier_text",
            "breakdown_text", "loss_curves_text", "moe_runs_text", "experts_profile_text", "offload_derived_text", "offload_overlap_text",
            "offload_vram_text", "offload_sweep_text", "offload_link_text", "packed_configs_text",
            "packed_findings_text", "packed_variants_text", "packed_regime_text", "packed_collated_text", "MOE_DEFAULT", "render", "write_readme", "write_headline_chart", "headline_rows", "headline_table", "README",

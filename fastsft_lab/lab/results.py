@@ -344,7 +344,24 @@ def budget_results(root=None, device_type: str | None = "cuda") -> list[dict]:
                                        d["config"].get("tokens_per_step") or 0))
 
 
-__all__ = ["budget_results", "all_results", "load_results", "run_of", "newest_per_config", "describe_run", "build_index", "write_index",
+def frontier_rows(doc: dict) -> list[dict]:
+    """One memory-plan frontier (``bench --only budget``) as rows: each budget's plan, then the README recipe and no
+    checkpointing, with step ms, predicted and measured peak (bytes; None where not recorded), speed against the
+    recipe ("x": higher is faster) and the error of a variant that did not run (e.g. out of memory)."""
+    recipe = next((v for v in doc["variants"] if v["name"].startswith("offload x2") and "step_ms" in v), None)
+    rows = []
+    for v in doc["variants"]:
+        t = v.get("toggles", {})
+        row = {"name": v["name"], "budget": t.get("memory_budget_bytes"), "predicted": t.get("predicted_peak_bytes"),
+               "peak": v.get("peak_mem_bytes"), "ms": v["step_ms"]["median"] if "step_ms" in v else None,
+               "error": v.get("error"), "syncs": v.get("host_syncs_per_step")}
+        row["speed"] = recipe["step_ms"]["median"] / row["ms"] if recipe and row["ms"] else None
+        rows.append(row)
+    return rows
+
+
+
+__all__ = ["budget_results", "frontier_rows", "all_results", "load_results", "run_of", "newest_per_config", "describe_run", "build_index", "write_index",
            "repo_results_dir", "INDEX", "step_spread", "unsettled", "UNSETTLED_SPREAD", "offload_results",
            "packed_regime", "packed_key", "packed_configs", "packed_headline", "combined_results", "newest_peak_gib", "peer_results", "PEER_OUR_VARIANTS", "experts_profile",
            "experts_profile_rows", "breakdown_results"]
