@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastsft_lab.packing import BACKENDS, PackedMetadata, available_backends
-from fastsft_lab.packing.backends import eager as E, flex as FX, sdpa as S, varlen as V, xformers as XF
+from fastsft_lab.packing.backends import eager as E, flex as FX, sdpa as S, segments as SG, varlen as V, xformers as XF
 from fastsft_lab.packing.backends.sdpa import naive_dense_mask
 
 from _packed_helpers import make_batch, per_sequence_reference, random_qkv
@@ -56,6 +56,8 @@ def run_backend(name, q, k, v, meta, scale, window, sinks):
     if name == "flex":
         with torch.no_grad():
             return FX.flex_attention_packed(q, k, v, FX.block_mask(meta, "cpu", window), scale=scale, sinks=sinks)
+    if name == "segments":
+        return SG.segments_attention(q, k, v, SG.segment_spans(meta), scale=scale, window=window, sinks=sinks)
     raise ValueError(name)
 
 
@@ -72,7 +74,7 @@ CASES = {
 @pytest.mark.parametrize("sinks_on", [False, True], ids=["no-sinks", "sinks"])
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("backend", ["sdpa", "eager", "varlen", "flex"])
+@pytest.mark.parametrize("backend", ["sdpa", "eager", "varlen", "flex", "segments"])
 def test_kernels_match_per_sequence_reference(backend, case, window, sinks_on):
     meta = PackedMetadata.from_lengths(CASES[case])
     q, k, v, sinks = random_qkv(meta.num_rows, meta.row_tokens, grad=False)
@@ -84,7 +86,7 @@ def test_kernels_match_per_sequence_reference(backend, case, window, sinks_on):
 
 
 @pytest.mark.parametrize("window", [None, 2])
-@pytest.mark.parametrize("backend", ["sdpa", "varlen"])
+@pytest.mark.parametrize("backend", ["sdpa", "varlen", "segments"])
 def test_kernel_gradients_incl_sinks_match_eager(backend, window):
     """dq, dk, dv and d sink: the SDPA virtual sink key and the varlen (out', lse') backward are exact."""
     meta = PackedMetadata.from_lengths([[5, 1, 9, 3], [2, 16]])

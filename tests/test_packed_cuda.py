@@ -17,7 +17,7 @@ from fastsft_lab.packing import (
     packed_inputs,
     set_packed_metadata_cache,
 )
-from fastsft_lab.packing.backends import eager as E, flex as FX, sdpa as S, varlen as V
+from fastsft_lab.packing.backends import eager as E, flex as FX, sdpa as S, segments as SG, varlen as V
 from fastsft_lab.data import unpack
 from fastsft_lab.models import LoraSettings, build_model, decoder_layers, get_preset
 from fastsft_lab.profiling import SyncCounter
@@ -43,7 +43,7 @@ def cuda_reference(meta, q, k, v, sinks, scale, window):
 
 
 # --- kernels -------------------------------------------------------------------------------------------------------
-CUDA_KERNEL_CASES = [(b, w, s) for b in ("sdpa", "varlen") for w in (None, 32) for s in (False, True)] + \
+CUDA_KERNEL_CASES = [(b, w, s) for b in ("sdpa", "varlen", "segments") for w in (None, 32) for s in (False, True)] + \
     [("flex", None, False), ("flex", 32, True)]   # each flex case is a torch.compile: keep two
 
 
@@ -64,6 +64,8 @@ def test_cuda_kernels_forward_backward_match_float32_reference(backend, window, 
     elif backend == "varlen":
         out = V.varlen_attention(q, k, v, meta.tensors("cuda").cu_seqlens, meta.max_seqlen, scale=scale,
                                  window=window, sinks=sinks)
+    elif backend == "segments":
+        out = SG.segments_attention(q, k, v, SG.segment_spans(meta), scale=scale, window=window, sinks=sinks)
     else:
         out = FX.flex_attention_packed(q, k, v, FX.block_mask(meta, "cuda", window), scale=scale, sinks=sinks)
     ref, leaves = cuda_reference(meta, q, k, v, sinks, scale, window)
@@ -89,7 +91,7 @@ def test_cuda_metadata_one_async_copy_no_sync():
 
 
 # --- whole models --------------------------------------------------------------------------------------------------
-CUDA_MODEL_CASES = [(p, b) for p in PRESETS for b in ("sdpa", "varlen", "flex")]
+CUDA_MODEL_CASES = [(p, b) for p in PRESETS for b in ("sdpa", "varlen", "flex", "segments")]
 
 
 @pytest.mark.cuda

@@ -27,8 +27,8 @@ from fastsft_lab.profiling import SyncCounter
 from _packed_helpers import PRESETS, make_batch, make_model, lora_grads, assert_close_scaled, _family
 
 
-CPU_BACKENDS = ["eager", "sdpa", "varlen", "flex"]   # flex: forward only on a CPU
-TRAIN_BACKENDS = ["eager", "sdpa", "varlen"]
+CPU_BACKENDS = ["eager", "sdpa", "varlen", "flex", "segments"]   # flex: forward only on a CPU
+TRAIN_BACKENDS = ["eager", "sdpa", "varlen", "segments"]
 
 
 def layer_windows(model) -> set:

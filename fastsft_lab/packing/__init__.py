@@ -11,7 +11,7 @@ Usage::
 
     from fastsft_lab.packing import PackedCollator, enable_packed_attention
 
-    enable_packed_attention(model, backend="sdpa")          # or "varlen", "flex", "xformers", "flash", "eager"
+    enable_packed_attention(model, backend="sdpa")          # or "varlen", "flex", "segments", "xformers", "flash", "eager"
     batch = PackedCollator(max_tokens=4096, pad_token_id=0)(examples)
     loss = model(**batch).loss                               # batch holds packed_metadata=PackedMetadata(...)
 

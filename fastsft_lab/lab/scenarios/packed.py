@@ -167,7 +167,7 @@ SWEEP_MODELS = {"qwen3-0.6b": None, "qwen3-14b": 8}   # model -> decoder layers 
 class PackedOptions:
     models: list = option(["qwen3-14b"], kind="strs", help="model presets")
     tokens: list = option([4096, 16384], kind="ints", help="tokens per step (one configuration each)")
-    backends: list = option(["sdpa", "varlen", "flex"], kind="strs",
+    backends: list = option(["sdpa", "varlen", "flex", "segments"], kind="strs",
                             help=f"packed-attention backends, from: {', '.join(BACKENDS)}")
     mixes: list = option(["realistic"], kind="strs", help="length mixes (short, realistic, long)")
     num_layers: int | None = option(8, kind="int?", help="decoder layers kept at real width (none: all)")
