@@ -1,11 +1,19 @@
 """Shared test configuration: `cuda` tests run only where CUDA exists; tests are deterministic."""
 
+import getpass
 import os
 import subprocess
 import sys
+import tempfile
 
-import pytest
-import torch
+# One inductor cache per ATEN_CPU_CAPABILITY, set before torch compiles anything: torch 2.13's cache key leaves the
+# capability out, and a CPU kernel cached under the machine's best kernels (avx512) and reused under
+# ATEN_CPU_CAPABILITY=avx2 computed NaN in a compiled LoRA layer's training step (a fresh cache under avx2: exact).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ.get('ATEN_CPU_CAPABILITY') or 'native'}"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
