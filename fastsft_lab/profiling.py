@@ -492,11 +492,16 @@ def _ranked(d: dict[str, float], top: int) -> list[dict]:
 def summarize_events(averages, *, cuda: bool, steps: int = 1, top: int = 15):
     """``torch.profiler``'s key averages -> ``(top_ops, ops ms per step, kernels ms per step, queue-full ms per
     step)``. On CUDA an aten op's self device time is the time of the kernels it launched, so the top entries are
-    the kernels alone (each microsecond counted once); the launch-queue wait (:data:`QUEUE_FULL`) is neither."""
-    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-
+    the kernels alone (each microsecond counted once); the launch-queue wait (:data:`QUEUE_FULL`) is neither.
+    Where no GPU kernel ran at all (a CPU model profiled on a machine with a GPU), the host ops are the work: as on a
+    CPU."""
     def is_kernel(e) -> bool:   # a device event not named aten::
         return cuda and "CUDA" in str(getattr(e, "device_type", "")) and not e.key.startswith("aten::")
+
+    if cuda and not any(is_kernel(e) and getattr(e, "self_device_time_total", 0) for e in averages
+                        if e.key != QUEUE_FULL):
+        cuda = False
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
 
     counted = [e for e in averages if e.key != QUEUE_FULL and (is_kernel(e) if cuda else True)]
     rows = sorted(counted, key=lambda e: getattr(e, attr, 0), reverse=True)[:top]
@@ -541,8 +546,8 @@ def profile(fn: Callable[[], object], *, steps: int = 1, trace_path: str | None 
     top_ops, ops, kernels, queue_full = summarize_events(averages, cuda=cuda, steps=steps, top=top)
     return ProfileResult(table=table, trace_path=trace_path, top_ops=top_ops, ops_per_step=_ranked(ops, top),
                          kernels_per_step=_ranked(kernels, top),
-                         device_busy_ms=round(sum(kernels.values()), 4) if cuda else None,
-                         queue_full_ms=round(queue_full, 4) if cuda else None)
+                         device_busy_ms=round(sum(kernels.values()), 4) if cuda and kernels else None,
+                         queue_full_ms=round(queue_full, 4) if cuda and kernels else None)
 
 
 __all__ = ["SyncCounter", "SyncCountingMode", "SyncReport", "count_syncs", "PhaseTimer", "time_ms", "reset_peak_memory",

@@ -195,3 +195,7 @@ def test_profile_summary_counts_each_kernel_once_and_keeps_the_queue_wait_apart(
     top_cpu, _, kernels_cpu, queue_cpu = summarize_events(
         [E(key="aten::mm", count=1, device_type="DeviceType.CPU", self_cpu_time_total=3000.0)], cuda=False)
     assert top_cpu == [{"name": "aten::mm", "calls": 1, "self_ms": 3.0}] and kernels_cpu == {} and queue_cpu == 0.0
+    # a CPU model profiled on a GPU machine launches no kernel: its host ops are the work, not an empty table
+    host_only = [E(key="aten::mm", count=1, device_type="DeviceType.CPU", self_cpu_time_total=3000.0,
+                   self_device_time_total=0.0)]
+    assert summarize_events(host_only, cuda=True)[0] == top_cpu
