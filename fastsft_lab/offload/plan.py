@@ -128,13 +128,18 @@ class LayerCost:
     seconds: dict[str, float]
     held: dict[str, int]
     unsaved: frozenset = frozenset()      # saved_ops() the layer changes in place: recomputed by ``selective``
+    # the two readings ``held["keep"]`` is the larger of: "saved" (what autograd's saved-tensor hooks saw) and, on
+    # CUDA, "allocated" (memory_allocated after the forward, less the output): reported, so a prediction that misses
+    # says which reading it came from
+    readings: dict = field(default_factory=dict)
 
     def at(self, tokens: int) -> "LayerCost":
         if tokens == self.tokens:
             return self
         r = tokens / self.tokens
         return replace(self, tokens=tokens, seconds={c: s * r for c, s in self.seconds.items()},
-                       held={c: int(math.ceil(b * r)) for c, b in self.held.items()})
+                       held={c: int(math.ceil(b * r)) for c, b in self.held.items()},
+                       readings={k: int(math.ceil(b * r)) for k, b in self.readings.items()})
 
 
 class _SavedBytes:
@@ -213,9 +218,10 @@ def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Te
     with torch.autograd.graph.saved_tensors_hooks(count.pack, lambda t: t), count.mode():
         out = _first_tensor(function(inp))
     in_bytes = inp.untyped_storage().nbytes()
-    keep = sum(count.saved.values())
+    readings = {"saved": sum(count.saved.values())}
     if device.type == "cuda":      # also what autograd keeps outside saved tensors (a Function's attributes)
-        keep = max(keep, torch.cuda.memory_allocated(device) - before - out.untyped_storage().nbytes())
+        readings["allocated"] = torch.cuda.memory_allocated(device) - before - out.untyped_storage().nbytes()
+    keep = max(readings.values())
     del out
     records = [r for p, r in count.selective.items() if p != inp.untyped_storage().data_ptr()]
     unsaved = frozenset(op for _, op, t, version in records if t._version != version)
@@ -235,7 +241,7 @@ def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Te
     exposed = h2d if buffers == 1 else max(h2d - bwd, 0.0)
     seconds["offload"] = seconds["checkpoint"] + exposed + max(d2h - fwd, 0.0)
     held = {"keep": keep, "selective": selective, "checkpoint": in_bytes, "offload": 0}
-    return LayerCost(kind, int(x.shape[:-1].numel()), seconds, held, unsaved)
+    return LayerCost(kind, int(x.shape[:-1].numel()), seconds, held, unsaved, readings)
 
 
 # -- solving the plan ------------------------------------------------------------------------------------------------

@@ -192,7 +192,8 @@ class BudgetScenario(Scenario):
                       "tokens_per_step": tokens, "row_tokens": opts.row_tokens, "steps": opts.steps,
                       "warmup": opts.warmup, "predicted_smallest_peak_bytes": base,
                       "predicted_keep_all_peak_bytes": keep_all,
-                      "layer_costs": {k: {"tokens": c.tokens, "seconds": c.seconds, "held_bytes": c.held}
+                      "layer_costs": {k: {"tokens": c.tokens, "seconds": c.seconds, "held_bytes": c.held,
+                                          "keep_readings_bytes": c.readings}
                                       for k, c in costs.items()}}
             result = make_result("budget", config, rows, device,
                                  "plans solved from costs measured on this model and batch; predicted peaks beside "
