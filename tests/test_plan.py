@@ -376,6 +376,8 @@ def test_budget_scenario_runs_the_frontier_from_the_smallest_plan_to_keeping_eve
     assert predicted == sorted(predicted) and len(set(predicted)) == len(predicted)
     assert all(r["toggles"]["predicted_peak_bytes"] <= r["toggles"]["memory_budget_bytes"] for r in plans)
     assert all("step_ms" in r for r in rows), [r.get("error") for r in rows]
+    # the collator's host metadata on every row: no plan, and no reference, pays a host sync in the step
+    assert all(r["host_syncs_per_step"] == 0 for r in rows), [(r["name"], r["host_syncs_per_step"]) for r in rows]
     assert [r["name"] for r in rows[-2:]] == ["offload x2 + prefetch everywhere (README recipe)", "no checkpointing"]
     assert (tmp_path / "budget-tiny-qwen3-512.json").exists()
     assert budgets_between(10, 20, 3) == [10, 15, 20] and budgets_between(10, 10, 5) == [10]

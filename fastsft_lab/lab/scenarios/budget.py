@@ -24,6 +24,7 @@ from ... import toggles
 from ...data import benchmark_batches
 from ...models import PRESETS, LoraSettings, build_model
 from ...offload import plan as P
+from ...packing import packed_inputs
 from ..harness import Variant, format_derived, format_table, make_result, run_variants, with_autocast, write_json
 from ..scenario import OptionError, Scenario, option
 
@@ -85,11 +86,16 @@ def calibrate(model, batch, autocast: str, budget_gib: float | None = None) -> P
     (variant,) = with_autocast([Variant("calibration")], autocast)
     for _ in range(2):
         with variant.context(model) if variant.context else torch.enable_grad():
-            model(**batch.model_inputs()).loss.backward()
+            model(**_inputs(batch, None)).loss.backward()
         model.zero_grad(set_to_none=True)
     planner = P.memory_planner(model)
     assert planner is not None and planner.plan is not None
     return planner
+
+
+def _inputs(batch, _prepared) -> dict:
+    """The batch with its metadata from the host lengths, as ``PackedCollator`` gives it: no host sync in the step."""
+    return packed_inputs(batch)
 
 
 def _plan_variant(plan: P.Plan, costs: dict) -> Variant:
@@ -102,7 +108,7 @@ def _plan_variant(plan: P.Plan, costs: dict) -> Variant:
         toggles.apply(model, memory_budget="off")
 
     counts = ", ".join(f"{n} {c}" for c, n in plan.counts().items())
-    return Variant(f"{size(plan.budget)}: {counts}", enable=enable, disable=disable,
+    return Variant(f"{size(plan.budget)}: {counts}", enable=enable, disable=disable, inputs=_inputs,
                    toggles={"memory_budget_bytes": plan.budget, "plan": list(plan.choices),
                             "predicted_peak_bytes": plan.peak},
                    note="the plan apply(memory_budget=...) solves for this budget, run as a fixed plan")
@@ -111,9 +117,9 @@ def _plan_variant(plan: P.Plan, costs: dict) -> Variant:
 def _references() -> list[Variant]:
     return [Variant("offload x2 + prefetch everywhere (README recipe)",
                     enable=lambda m: toggles.apply(m, offload_buffers=2, prefetch=True),
-                    disable=lambda m: toggles.apply(m, offload_buffers="off"),
+                    disable=lambda m: toggles.apply(m, offload_buffers="off"), inputs=_inputs,
                     toggles={"offload_buffers": 2, "prefetch": True}),
-            Variant("no checkpointing", toggles={"checkpointing": "none"},
+            Variant("no checkpointing", toggles={"checkpointing": "none"}, inputs=_inputs,
                     note="every activation kept: the fastest step, where it fits")]
 
 
