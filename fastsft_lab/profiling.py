@@ -413,16 +413,20 @@ def quiet_profiler(**kwargs):
 
     from torch.profiler import profile as torch_profile
 
+    @contextlib.contextmanager
+    def quiet():
+        with _native_stderr_silenced(), warnings.catch_warnings():
+            # torch's notice that a profile without a schedule keeps one cycle's events: one cycle is all we take
+            warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
+            yield
+
     prof = torch_profile(**kwargs)
-    with _native_stderr_silenced(), warnings.catch_warnings():
-        # torch's notice that a profile without a schedule keeps one cycle's events: one cycle is all we take
-        warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
+    with quiet():
         prof.__enter__()
     try:
         yield prof
     finally:
-        with _native_stderr_silenced(), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
+        with quiet():
             prof.__exit__(None, None, None)
 
 

@@ -360,7 +360,6 @@ def frontier_rows(doc: dict) -> list[dict]:
     return rows
 
 
-
 __all__ = ["budget_results", "frontier_rows", "all_results", "load_results", "run_of", "newest_per_config", "describe_run", "build_index", "write_index",
            "repo_results_dir", "INDEX", "step_spread", "unsettled", "UNSETTLED_SPREAD", "offload_results",
            "packed_regime", "packed_key", "packed_configs", "packed_headline", "combined_results", "newest_peak_gib", "peer_results", "PEER_OUR_VARIANTS", "experts_profile",

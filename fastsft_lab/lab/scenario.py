@@ -113,10 +113,8 @@ class Scenario:
         if getattr(opts, "warmup", 0) < 0:
             raise OptionError(f"warmup must be >= 0, got {opts.warmup}")
         from ..models import PRESETS
-        named = getattr(opts, "models", None) or []
-        named = ([opts.preset] if isinstance(getattr(opts, "preset", None), str) else []) + \
-            [m for m in (named if isinstance(named, list) else []) if isinstance(m, str)]
-        for name in named:
+        named = [getattr(opts, "preset", None), *(getattr(opts, "models", None) or [])]
+        for name in (n for n in named if isinstance(n, str)):
             if name not in PRESETS:
                 raise OptionError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
 

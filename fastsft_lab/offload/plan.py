@@ -72,10 +72,15 @@ _SAVED_CUSTOM_OPS = (("bitsandbytes", "gemm_4bit"),)
 
 def saved_ops() -> frozenset:
     """The ops whose outputs the selective choice saves: :data:`SAVED_OPS` and the quantised matmuls of the libraries
-    imported so far (a library imported later is seen on the next call)."""
+    imported so far (a library imported later is seen on the next call; the set is built once per such change)."""
+    return _saved_ops(tuple(namespace in sys.modules for namespace, _ in _SAVED_CUSTOM_OPS))
+
+
+@functools.lru_cache(maxsize=None)
+def _saved_ops(imported: tuple[bool, ...]) -> frozenset:
     extra = []
-    for namespace, name in _SAVED_CUSTOM_OPS:
-        if namespace in sys.modules:
+    for (namespace, name), present in zip(_SAVED_CUSTOM_OPS, imported, strict=True):
+        if present:
             try:
                 extra.append(getattr(getattr(torch.ops, namespace), name))
             except (AttributeError, RuntimeError):       # that version of the library has no such op

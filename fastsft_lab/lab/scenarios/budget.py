@@ -40,7 +40,8 @@ class BudgetOptions:
     dtype: str = option("bfloat16", kind="str", help="parameter dtype")
     tokens: list = option([8192, 16384], kind="ints", help="tokens per step (one frontier each)")
     row_tokens: int = option(8192, kind="int", help="tokens per packed row")
-    points: int = option(5, kind="int", help="budgets per frontier, from the smallest plan to keeping everything (or 90% of the free GPU memory)")
+    points: int = option(5, kind="int", help="budgets per frontier, from the smallest plan to keeping everything "
+                                             "(or 90% of the free GPU memory)")
     budgets: list = option([], kind="strs", help="budgets in GiB instead of the even spread (e.g. 40,60,80)")
     steps: int = option(5, kind="int", help="measured steps per variant")
     warmup: int = option(2, kind="int", help="warm-up steps per variant")

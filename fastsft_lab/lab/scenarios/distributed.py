@@ -117,8 +117,9 @@ def derive(ok: dict[str, dict], world: int) -> dict:
     if plain and one:
         derived["ddp_overhead_world_1"] = one["step_ms"]["median"] / plain["step_ms"]["median"] - 1
         a, b = plain["losses_rank0"], one["losses_rank0"]
-        derived["same_first_loss_world_1"] = bool(a) and a[0] == b[0]
-        derived["loss_max_rel_diff_world_1"] = max(abs(x - y) / abs(x) for x, y in zip(a, b, strict=True))
+        if a and len(a) == len(b):
+            derived["same_first_loss_world_1"] = a[0] == b[0]
+            derived["loss_max_rel_diff_world_1"] = max(abs(x - y) / abs(x) for x, y in zip(a, b))
     many = ok.get(f"DDP, world {world}") if world > 1 else None
     if many and plain:
         derived[f"rank_step_overhead_world_{world}"] = many["step_ms"]["median"] / plain["step_ms"]["median"] - 1
