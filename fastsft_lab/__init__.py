@@ -21,7 +21,7 @@ import importlib
 
 __version__ = "0.2.0"
 
-_SUBMODULES = ("env", "families", "models", "data", "profiling", "model_state", "toggles", "evidence", "loss", "lora", "packing", "offload", "moe",
+_SUBMODULES = ("env", "families", "models", "data", "profiling", "model_state", "toggles", "evidence", "loss", "lora", "dequant", "packing", "offload", "moe",
                "lab")
 _NAMES = {
     "apply": "toggles", "revert": "toggles", "state": "model_state", "ModelState": "model_state",

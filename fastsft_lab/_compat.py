@@ -181,3 +181,22 @@ def grouped_mm_function():
 
 __all__ += ["dynamo_config", "dynamo_errors", "grouped_mm_function"]
 
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (``torch._C._current_graph_task_id``, -1
+    outside one; torch 1.13-2.13): a forward that runs there is a checkpoint's recompute. False while compiling."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
+
+
+def bnb_fix_quant_state():
+    """bitsandbytes' ``fix_4bit_weight_quant_state_from_module`` (0.43-0.50): puts a ``Linear4bit``'s quant state
+    back on its weight where a wrapper rebuilt the parameter without it, as ``Linear4bit.forward`` does first."""
+    from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
+
+    return fix_4bit_weight_quant_state_from_module
+
+
+__all__ += ["in_backward", "bnb_fix_quant_state"]

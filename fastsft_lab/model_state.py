@@ -28,6 +28,7 @@ class ModelState:
             ``"sync_free"``, or a stock name asked for), None when it did not switch them.
         fused_loss: the loss is :func:`fastsft_lab.loss.linear_cross_entropy` (no logits materialised).
         fused_lora: the PEFT LoRA layers run :func:`fastsft_lab.lora.fused_lora_forward`.
+        fused_dequant: bitsandbytes' NF4 layers run :func:`fastsft_lab.dequant.fused_dequant_forward`.
         memory_plan: with ``memory_budget``, the plan's choices per layer and its predicted peak (None otherwise).
     """
 
@@ -39,6 +40,7 @@ class ModelState:
     moe_routing: str | None = None
     fused_loss: bool = False
     fused_lora: bool = False
+    fused_dequant: bool = False
     memory_plan: str | None = None
 
     def as_dict(self) -> dict:

@@ -271,6 +271,28 @@ def _disable_fused_lora(model) -> None:
     disable_fused_lora(model)
 
 
+def _validate_fused_dequant(model, value, args) -> None:
+    _validate_flag("fused_dequant")(model, value, args)
+    if value:
+        from .dequant import fused_dequant_targets
+
+        if not fused_dequant_targets(model):
+            raise ValueError(f"fused_dequant=True needs bitsandbytes Linear4bit layers (QLoRA); "
+                             f"{type(base_model(model)).__name__} has none")
+
+
+def _enable_fused_dequant(model, value, args) -> None:
+    from .dequant import enable_fused_dequant
+
+    enable_fused_dequant(model)
+
+
+def _disable_fused_dequant(model) -> None:
+    from .dequant import disable_fused_dequant
+
+    disable_fused_dequant(model)
+
+
 def _nothing(model, *args) -> None:
     return None
 
@@ -289,6 +311,8 @@ OPTIMIZATIONS: tuple[Optimization, ...] = (
     Optimization("moe_routing", _validate_moe, _enable_moe, _disable_moe, off=("off", False)),
     Optimization("fused_loss", _validate_flag("fused_loss"), _enable_fused_loss, _disable_fused_loss, off=(False,)),
     Optimization("fused_lora", _validate_fused_lora, _enable_fused_lora, _disable_fused_lora, off=(False,)),
+    Optimization("fused_dequant", _validate_fused_dequant, _enable_fused_dequant, _disable_fused_dequant,
+                 off=(False,)),
 )
 
 
@@ -302,6 +326,7 @@ def apply(
     moe_routing: str | bool | None = None,
     fused_loss: bool | None = None,
     fused_lora: bool | None = None,
+    fused_dequant: bool | None = None,
     memory_budget: float | str | bool | None = None,
     max_tokens: int | None = None,
 ) -> ModelState:
@@ -325,6 +350,9 @@ def apply(
             host sync); the fast-kernel floor under the three optimizations, not one of them.
         fused_lora: True adds each PEFT LoRA adapter into its base layer's output with one in-place GEMM in the
             activations' dtype (:mod:`fastsft_lab.lora`); fast-kernel floor too. Refused for DoRA / LoRA biases.
+        fused_dequant: True dequantises QLoRA's NF4 base weights in one Triton kernel (CUDA) and, inside a
+            checkpoint's recompute, keeps the weight for the backward instead of dequantising it a third time
+            (:mod:`fastsft_lab.dequant`); bit for bit bitsandbytes' weights. Refused for FP4 weights.
         memory_budget: GiB (``80``) or a share of the device's free memory (``"90%"``): each decoder layer keeps
             its activations, saves only matmul / attention outputs, or is checkpointed (input kept or offloaded),
             whichever plan is fastest within the budget (:mod:`fastsft_lab.offload.plan`; measured on step 1,
@@ -342,7 +370,8 @@ def apply(
     """
     args = {"packed_attention": packed_attention, "packed_metadata_cache": packed_metadata_cache,
             "offload_buffers": offload_buffers, "prefetch": prefetch, "moe_routing": moe_routing,
-            "fused_loss": fused_loss, "fused_lora": fused_lora, "memory_budget": memory_budget,
+            "fused_loss": fused_loss, "fused_lora": fused_lora, "fused_dequant": fused_dequant,
+            "memory_budget": memory_budget,
             "max_tokens": max_tokens}
     # validate everything first: a bad argument must not leave the model half switched
     model = unwrap(model)            # DDP / torch.compile: the switches act on the module they wrap; FSDP1 refused

@@ -43,6 +43,7 @@ O = "fastsft_lab/offload/"
 M = "fastsft_lab/moe/"
 TP, TO, TM = "tests/test_packed_", "tests/test_offload_", "tests/test_moe.py"   # TP + "<subject>.py"
 TPL = "tests/test_plan.py"
+TD = "tests/test_dequant.py"
 
 MUTATIONS = [
     # --- packed metadata and attention
@@ -253,6 +254,16 @@ MUTATIONS = [
              "if self.plan is None or target > self.plan.tokens:", "if self.plan is None:", (TPL, "-k", "replans")),
     Mutation("plan-selective-recomputes-nf4-matmuls", O + "plan.py",
              '_SAVED_CUSTOM_OPS = (("bitsandbytes", "gemm_4bit"),)', "_SAVED_CUSTOM_OPS = ()", (TPL, "-k", "nf4")),
+    # --- fused NF4 dequantisation
+    Mutation("dequant-bf16-truncated", "fastsft_lab/dequant.py",
+             "values = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)",
+             "values = (bits >> 16).to(tl.int16)", (TD, "-k", "definition")),
+    Mutation("dequant-nibbles-swapped", "fastsft_lab/dequant.py",
+             "tl.join(hi, lo)", "tl.join(lo, hi)", (TD, "-k", "definition")),
+    Mutation("dequant-keeps-another-dtype", "fastsft_lab/dequant.py",
+             "if x.dtype == quant_state.dtype and in_backward():", "if in_backward():", (TD, "-k", "keeps")),
+    Mutation("dequant-kept-weight-unused", "fastsft_lab/dequant.py",
+             "if kept is not None and kept[0] is codes:", "if False:", (TD, "-k", "plan_choice")),
 ]
 
 
