@@ -73,6 +73,26 @@ def test_every_torch_accessor_works_on_this_torch():
     assert callable(C.grouped_mm_function()), "no grouped matmul in this torch"
     leaves, spec = C.pytree.tree_flatten(([torch.ones(1)], {"a": 2}))
     assert C.pytree.tree_unflatten(leaves, spec)[1] == {"a": 2}
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(C.in_backward())
+            return g
+
+    assert C.in_backward() is False
+    Probe.apply(torch.ones(1, requires_grad=True)).sum().backward()
+    assert seen == [True], "torch moved torch._C._current_graph_task_id"
+
+
+def test_the_bitsandbytes_accessor_works_on_this_bitsandbytes():
+    pytest.importorskip("bitsandbytes")
+    assert callable(C.bnb_fix_quant_state()), "bitsandbytes moved nn.modules.fix_4bit_weight_quant_state_from_module"
 
 
 def test_every_transformers_accessor_works_on_this_transformers():

@@ -239,3 +239,19 @@ def test_cuda_qlora_step_equals_bitsandbytes_above_its_gemm_threshold():
     loss, got = _step(model, batch)
     assert torch.equal(loss, ref_loss)
     assert all(torch.equal(got[n], ref[n]) for n in ref)
+
+
+def test_the_combined_benchmark_times_it_beside_all_fast_on_qlora_models():
+    from fastsft_lab.lab.scenarios.combined import combined_variants
+
+    model = _qlora(True)
+    names = [v.name for v in combined_variants(model, is_moe=False, which="core", packed="sdpa", trl=False,
+                                               dequant=True)]
+    assert names[-2:] == ["all fast", "all fast + fused dequant"]
+    variant = next(v for v in combined_variants(model, is_moe=False, which="core", packed="sdpa", trl=False,
+                                                dequant=True) if v.name == "all fast + fused dequant")
+    variant.enable(model)
+    st = fastsft_lab.state(model)
+    assert st.fused_dequant and st.offload_buffers == 2 and st.packed == "sdpa"
+    variant.disable(model)
+    assert not fastsft_lab.state(model).fused_dequant

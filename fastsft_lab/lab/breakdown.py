@@ -280,15 +280,16 @@ class Attributor:
             if evt.name.startswith(("Memcpy", "Memset")):
                 return "copies"
             op = self.launcher(evt)
-            if op is None:
-                return "other"
+            if op is None:          # a kernel no op launched (Triton's, from Python): known by its name at most
+                return "nf4_dequant" if "dequant" in evt.name.lower() else "other"
             cat, dequant = self.scope(op)
         else:
             cat, dequant = self.scope(evt)
         if cat not in CATEGORIES or cat == "idle":
             cat = "other"
         # bitsandbytes' fused gemm_4bit op dequantizes inside: its dequant kernels are known by their own name
-        dequant = dequant or "dequantize" in evt.name.lower()
+        # (and fastsft_lab's Triton _nf4_dequant_kernel)
+        dequant = dequant or "dequant" in evt.name.lower()
         return "nf4_dequant" if dequant and cat == "dense" else cat
 
 

@@ -23,6 +23,8 @@ import os
 import torch
 
 from ...data import benchmark_batches
+from ...dequant import fused_dequant_targets
+from ...models import get_preset
 from ..breakdown import breakdown_variant, describe_bottleneck, format_breakdown, step_view
 from ..harness import make_optimizer, make_result, run_variants, with_autocast, write_json
 from ..plots import plot_breakdown, save_figure
@@ -38,6 +40,8 @@ class BreakdownOptions:
     moe_row_tokens: int = option(4096, kind="int", help="tokens per packed row for MoE models (dense: one row)")
     kernels: list = option(["none", "liger"], kind="strs", help="none and/or liger (the fast-kernel floor)")
     backend: str = option("varlen", kind="str", help="packed-attention backend of the all-fast variant")
+    fused_dequant: bool = option(False, kind="bool", help="profile all fast + fused dequant (QLoRA models: "
+                                 "fastsft_lab.dequant) instead of all fast")
     mix: str = option("realistic", kind="str", help="length mix")
     lora_rank: int = option(16, kind="int", help="LoRA rank")
     autocast: str = option("none", kind="str", help="none, bf16 or fp16 (GPU default bf16): the step under torch.autocast (as "
@@ -66,6 +70,11 @@ class BreakdownScenario(Scenario):
         validate_models_and_kernels(opts, device)
         if opts.timed < 1:
             raise OptionError(f"timed must be >= 1, got {opts.timed}")
+        if opts.fused_dequant:
+            dense = [m for m in opts.models if not (get_preset(m).real and not get_preset(m).is_moe)]
+            if dense:
+                raise OptionError(f"fused_dequant needs QLoRA (NF4) models; {', '.join(dense)} are not (NF4 here: "
+                                  "the real dense presets, e.g. qwen3-14b)")
 
     def run(self, opts: BreakdownOptions, *, device: torch.device, out_dir: str, progress: bool = True) -> list[dict]:
         return [self._one(model, preset, opts, extra, device, out_dir, progress)
@@ -78,8 +87,9 @@ class BreakdownScenario(Scenario):
         batches = [b.to(device) for b in benchmark_batches(tokens_per_step=tokens, row_tokens=row,
                                                            steps=max(2, opts.steps), vocab_size=model.config.vocab_size,
                                                            mix=opts.mix)]
-        fast = next(v for v in combined_variants(model, is_moe=is_moe, which="core", packed=opts.backend, trl=False)
-                    if v.name == "all fast")
+        fast = next(v for v in combined_variants(model, is_moe=is_moe, which="core", packed=opts.backend, trl=False,
+                                                 dequant=bool(fused_dequant_targets(model)))
+                    if v.name == ("all fast + fused dequant" if opts.fused_dequant else "all fast"))
         (fast,) = with_autocast([fast], opts.autocast)
         label = f"{preset.name} {tokens} tok, kernels={extra['kernels']}"
         optimizer = make_optimizer(model)
@@ -103,6 +113,8 @@ class BreakdownScenario(Scenario):
         result = make_result("breakdown", config, rows, device, notes=notes)
         result["breakdown"] = breakdown
         stem = f"breakdown_{preset.name}_L{config['num_layers']}_{tokens}tok_{extra['kernels']}"
+        if opts.fused_dequant:
+            stem += "_fused-dequant"
         view = step_view(result)         # on a device: re-based on the unprofiled step (the profiler's idle out)
         if view is not None:
             by = {r["category"]: r for r in view["categories"]}

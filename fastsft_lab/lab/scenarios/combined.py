@@ -15,6 +15,8 @@ gradient checkpointing. Variants, interleaved step by step on the same batches:
 * the ablation: ``all fast`` with one optimization back to its naive form at a time;
 * ``all fast + compiled layers`` (``compiled=true``): every decoder layer compiled in place (``nn.Module.compile``,
   as Unsloth compiles its blocks), packed attention eager between the compiled regions.
+* ``all fast + fused dequant`` (QLoRA models): all fast with :mod:`fastsft_lab.dequant` (one Triton kernel per NF4
+  dequantisation, none in a recomputed layer's backward), kept out of ``all fast`` until it measures faster.
 
 ``kernels=liger`` builds the model again with the fast-kernel floor the published fixes assume -- Liger-Kernel's
 RMSNorm, SwiGLU (Qwen3) and RoPE, fastsft_lab's fused linear cross-entropy (Liger's reads the token count back
@@ -33,6 +35,7 @@ from torch import nn
 
 from ...data import benchmark_batches
 from ...env import environment, package_version
+from ...dequant import fused_dequant_targets
 from ...lora import fused_lora_targets
 from ...models import LoraSettings, base_model, build_model, decoder_layers, get_preset
 from ...packing import enable_packed_attention, packed_inputs
@@ -100,9 +103,10 @@ def uncompile_layers(model: nn.Module) -> None:
 
 
 def combined_variants(model: nn.Module, *, is_moe: bool, packed: str = "varlen", which: str = "all",
-                      trl: bool = True, compiled: bool = False) -> list[Variant]:
+                      trl: bool = True, compiled: bool = False, dequant: bool = False) -> list[Variant]:
     """The variants of the module docstring (``which="core"``: default, all naive, all fast only; ``trl``: TRL's
-    activation offloading, which needs an accelerator; ``compiled``: also all fast with compiled decoder layers)."""
+    activation offloading, which needs an accelerator; ``compiled``: also all fast with compiled decoder layers;
+    ``dequant``: also all fast with the fused NF4 dequantisation, for QLoRA models)."""
     stock_inputs = lambda b, s: b.model_inputs()      # noqa: E731
     meta_inputs = lambda b, s: packed_inputs(b)        # noqa: E731
     moe_fast = "sync_free" if is_moe else None
@@ -138,6 +142,20 @@ def combined_variants(model: nn.Module, *, is_moe: bool, packed: str = "varlen",
                              note="all fast with every decoder layer compiled (nn.Module.compile, inductor; a "
                                   "regional compile as Unsloth's); packed attention runs eager between the compiled "
                                   "regions; compiled in the warm-up steps"))
+    if dequant:
+        def enable_dequant(m):
+            _configure(m, packed=packed, moe=moe_fast, offload=2)
+            apply(m, fused_dequant=True)
+
+        def disable_dequant(m):
+            apply(m, fused_dequant=False)
+            _reset(m, is_moe)
+
+        extra.append(Variant("all fast + fused dequant", {**fast.toggles, "fused_dequant": True},
+                             enable=enable_dequant, disable=disable_dequant, inputs=meta_inputs,
+                             note="all fast with QLoRA's NF4 weights dequantised by one Triton kernel and kept from "
+                                  "each checkpoint's recompute to its backward (two dequantisations per projection "
+                                  "and step instead of three); bitsandbytes' weights bit for bit"))
     if which == "core":
         return [default, naive, fast, *extra]
     out = [default]
@@ -299,7 +317,8 @@ class CombinedScenario(Scenario):
                                                            mix=opts.mix)]
         which = opts.liger_variants if kernels == "liger" else opts.variants
         variants = combined_variants(model, is_moe=is_moe, which=which, packed=opts.backend,
-                                     trl=device.type == "cuda", compiled=opts.compiled)
+                                     trl=device.type == "cuda", compiled=opts.compiled,
+                                     dequant=bool(fused_dequant_targets(model)))
         label = f"{preset.name} {tokens} tok, kernels={kernels}"
         variants = with_autocast(variants, opts.autocast)
         # checked against all naive: exact packing (stock GPT-OSS attention lets packed sequences see each other)
