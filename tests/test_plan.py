@@ -59,7 +59,16 @@ def _model(preset, lora=True, dropout=0.0, num_layers=4):
 # -- exactness -------------------------------------------------------------------------------------------------------
 PLANS = {"keep": ("keep",) * 4, "selective": ("selective",) * 4, "checkpoint": ("checkpoint",) * 4,
          "offload": ("offload",) * 4, "mixed": ("keep", "offload", "selective", "checkpoint"),
-         "mixed-2": ("offload", "selective", "offload", "keep")}
+         "mixed-2": ("offload", "selective", "offload", "keep"), "offload_saved": ("offload_saved",) * 4,
+         "mixed-3": ("offload_saved", "selective", "keep", "offload_saved")}
+
+
+def _plan_on(model, **kw):
+    """apply(memory_budget=16) with offload_saved moving every saved activation (the tiny models' are all under the
+    default 1 MiB it leaves on the device)."""
+    state = fastsft_lab.apply(model, memory_budget=16, **kw)
+    P.memory_planner(model).saved.min_bytes = 0
+    return state
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-gpt-oss"])
@@ -68,11 +77,12 @@ def test_every_choice_and_mix_equals_plain_training(preset, lora):
     model = _model(preset, lora)
     inputs = _batch()
     reference = _step(model, inputs)            # no checkpointing: nothing of ours touches it
-    fastsft_lab.apply(model, memory_budget=16)
+    _plan_on(model)
     try:
         for choices in PLANS.values():
             P.set_plan(model, choices)
             _assert_bitwise(reference, _step(model, inputs))
+        assert P.memory_planner(model).saved.stats.bytes_loaded > 0     # offload_saved moved what it saved
     finally:
         fastsft_lab.revert(model)
     _assert_bitwise(reference, _step(model, inputs))
@@ -84,8 +94,8 @@ def test_plans_compose_with_packed_metadata_sync_free_routing_and_fused_loss():
     fastsft_lab.apply(model, packed_attention="sdpa", moe_routing="sync_free", fused_loss=True)
     try:
         reference = _step(model, inputs)
-        fastsft_lab.apply(model, memory_budget=16)
-        for choices in (PLANS["mixed"], PLANS["mixed-2"], PLANS["selective"]):
+        _plan_on(model)
+        for choices in (PLANS["mixed"], PLANS["mixed-2"], PLANS["selective"], PLANS["mixed-3"]):
             P.set_plan(model, choices)
             _assert_bitwise(reference, _step(model, inputs))
     finally:
@@ -96,10 +106,11 @@ def test_dropout_is_replayed_in_every_recompute():
     model = _model("tiny-qwen3", True, dropout=0.3)
     inputs = _batch()
     reference = _step(model, inputs, seed=3)
-    fastsft_lab.apply(model, memory_budget=16)
+    _plan_on(model)
     try:
-        P.set_plan(model, PLANS["mixed"])
-        _assert_bitwise(reference, _step(model, inputs, seed=3))
+        for plan in (PLANS["mixed"], PLANS["mixed-3"]):
+            P.set_plan(model, plan)
+            _assert_bitwise(reference, _step(model, inputs, seed=3))
     finally:
         fastsft_lab.revert(model)
 
@@ -188,15 +199,17 @@ def test_measured_bytes_order_the_choices_and_grow_with_tokens():
 
 
 # -- the solver ------------------------------------------------------------------------------------------------------
-def _cost(keep, sel, ckpt, seconds=(1.0, 1.2, 1.5, 1.6), tokens=1000):
+def _cost(keep, sel, ckpt, seconds=(1.0, 1.2, 1.5, 1.6, 10.0), tokens=1000, saved=0):
+    """A layer's costs; offload_saved (the fifth) by default over a slow link (10 s: never the fastest)."""
     return P.LayerCost("layer", tokens, dict(zip(P.CHOICES, seconds)),
-                       {"keep": keep, "selective": sel, "checkpoint": ckpt, "offload": 0})
+                       {"keep": keep, "selective": sel, "checkpoint": ckpt, "offload": 0, "offload_saved": saved})
 
 
-def _exhaustive(costs, budget, base, staging):
+def _exhaustive(costs, budget, base, staging, saved_extra=0):
     best = None
     for cs in itertools.product(P.CHOICES, repeat=len(costs)):
-        peak = base + sum(c.held[x] for c, x in zip(costs, cs)) - (0 if "offload" in cs else staging)
+        peak = (base + sum(c.held[x] for c, x in zip(costs, cs)) - (0 if "offload" in cs else staging)
+                + (saved_extra if "offload_saved" in cs else 0))
         if peak <= budget:
             t = sum(c.seconds[x] for c, x in zip(costs, cs))
             if best is None or t < best[0]:
@@ -214,11 +227,12 @@ def test_solver_equals_exhaustive_search(seed):
         sel = ckpt + rng.randint(50, 400)
         keep = sel + rng.randint(0, 600)
         t = sorted(rng.uniform(1, 3) for _ in range(4))
-        costs.append(_cost(keep, sel, ckpt, t))
-    base, staging = 1000, 2 * 100
-    budget = base + rng.randint(0, sum(c.held["keep"] for c in costs))
-    plan = P.solve(costs, budget, base, staging=staging)
-    best = _exhaustive(costs, budget, base, staging)
+        # offload_saved: keep's time plus what the link does not hide (none to more than a recompute)
+        costs.append(_cost(keep, sel, ckpt, (*t, t[0] + rng.uniform(0, 3)), saved=rng.randint(0, 20)))
+    base, staging, saved_extra = 1000, 2 * 100, max(c.held["keep"] for c in costs)
+    budget = base + rng.randint(0, sum(c.held["keep"] for c in costs) + saved_extra)
+    plan = P.solve(costs, budget, base, staging=staging, saved_extra=saved_extra)
+    best = _exhaustive(costs, budget, base, staging, saved_extra)
     assert plan.peak <= budget
     assert plan.seconds == pytest.approx(best[0], rel=1e-12), (plan, best)
     assert plan.seconds == pytest.approx(sum(c.seconds[x] for c, x in zip(costs, plan.choices)))
@@ -457,8 +471,10 @@ def test_the_plan_under_torch_compile_equals_plain_training():
         for _ in range(2):                                   # the measuring step, then the solved plan
             _assert_bitwise(reference, _step(compiled, inputs))
         assert P.memory_planner(model).plan is not None
-        P.set_plan(model, PLANS["mixed"])
-        _assert_bitwise(reference, _step(compiled, inputs))
+        P.memory_planner(model).saved.min_bytes = 0
+        for plan in (PLANS["mixed"], PLANS["mixed-3"]):
+            P.set_plan(model, plan)
+            _assert_bitwise(reference, _step(compiled, inputs))
     finally:
         fastsft_lab.revert(compiled)
         torch.compiler.reset()

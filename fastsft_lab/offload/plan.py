@@ -1,16 +1,20 @@
 """The fastest exact checkpointing plan for a memory budget: keep what fits, recompute the rest, the cheap part first.
 
 Checkpointing is all or nothing in transformers, TRL and Unsloth: every layer recomputes its forward, whatever memory
-the GPU has left. Here each decoder layer gets one of four choices, from the most memory and the least time to the
-least memory and the most time::
+the GPU has left. Here each decoder layer gets one of five choices; the first four from the most memory and the least
+time to the least memory and the most time::
 
-    keep        plain autograd: every activation saved, nothing recomputed
-    selective   torch's selective checkpoint: matmul and attention outputs saved, the cheap elementwise ops,
-                norms and activations recomputed (``create_selective_checkpoint_contexts``)
-    checkpoint  the layer input kept on the GPU, the whole layer recomputed (transformers' own checkpointing)
-    offload     the layer input offloaded to pinned host memory with the double buffer (this package's manager),
-                the whole layer recomputed; costs time only where a reload is longer than the backward it hides
-                behind
+    keep           plain autograd: every activation saved, nothing recomputed
+    selective      torch's selective checkpoint: matmul and attention outputs saved, the cheap elementwise ops,
+                   norms and activations recomputed (``create_selective_checkpoint_contexts``)
+    checkpoint     the layer input kept on the GPU, the whole layer recomputed (transformers' own checkpointing)
+    offload        the layer input offloaded to pinned host memory with the double buffer (this package's manager),
+                   the whole layer recomputed; costs time only where a reload is longer than the backward it hides
+                   behind
+    offload_saved  plain autograd, every saved activation in pinned host memory, reloaded with the same double
+                   buffer (:mod:`.saved`): keep's compute at offload's memory, for the time the host link cannot
+                   hide -- the choice where the link is fast (NVLink C2C hosts, short rows); where it is slow the
+                   cost model prices it out
 
 Every choice computes the same numbers as plain training (a recompute runs the same kernels on the same inputs, the
 RNG state replayed), so any mix of them is exact.
@@ -51,11 +55,14 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from .._compat import TorchDispatchMode, is_fsdp2, pytree
 from ..model_state import register_state_reader
+from .pool import host_memory_available
+from .saved import MIN_BYTES as SAVED_MIN_BYTES
+from .saved import SavedOffload
 from .switch import disable_offloaded_checkpointing, enable_offloaded_checkpointing, resolve_device
 
 logger = logging.getLogger(__name__)
 
-CHOICES = ("keep", "selective", "checkpoint", "offload")
+CHOICES = ("keep", "selective", "checkpoint", "offload", "offload_saved")
 GiB = 1 << 30
 
 # The ops whose outputs the selective choice saves: the matmuls and attention kernels (the expensive part of a layer,
@@ -224,6 +231,7 @@ def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Te
         out = _first_tensor(function(inp))
     in_bytes = inp.untyped_storage().nbytes()
     readings = {"saved": sum(count.saved.values())}
+    small_saved = list(count.saved.values())          # what offload_saved leaves on the device: the small ones
     if device.type == "cuda":      # also what autograd keeps outside saved tensors (a Function's attributes)
         readings["allocated"] = torch.cuda.memory_allocated(device) - before - out.untyped_storage().nbytes()
     keep = max(readings.values())
@@ -245,7 +253,13 @@ def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Te
     bwd = max(seconds["keep"] - fwd, 0.0)
     exposed = h2d if buffers == 1 else max(h2d - bwd, 0.0)
     seconds["offload"] = seconds["checkpoint"] + exposed + max(d2h - fwd, 0.0)
-    held = {"keep": keep, "selective": selective, "checkpoint": in_bytes, "offload": 0}
+    # offload_saved: keep's compute, plus the copies of its saved bytes (at the input's measured link rate) that
+    # the layers' own compute does not hide: the stores behind the forward, the reloads behind the next backward
+    ratio = keep / max(in_bytes, 1)
+    exposed = h2d * ratio if buffers == 1 else max(h2d * ratio - bwd, 0.0)
+    seconds["offload_saved"] = seconds["keep"] + exposed + max(d2h * ratio - fwd, 0.0)
+    held = {"keep": keep, "selective": selective, "checkpoint": in_bytes, "offload": 0,
+            "offload_saved": sum(b for b in small_saved if b < SAVED_MIN_BYTES)}
     return LayerCost(kind, int(x.shape[:-1].numel()), seconds, held, unsaved, readings)
 
 
@@ -276,7 +290,29 @@ class Plan:
                 f"tokens, layers {self.seconds * 1e3:.0f} ms)")
 
 
-def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 0,
+def _best_plan(costs: Sequence[LayerCost], allowed: tuple, slack: int) -> tuple[tuple, int, float] | None:
+    """The least-time choices among ``allowed`` holding at most ``slack`` bytes: (choices, bytes, seconds)."""
+    # front: (bytes held, seconds, choices as a linked list (previous, choice)), bytes ascending and seconds
+    # strictly descending
+    front: list[tuple[int, float, Any]] = [(0, 0.0, None)]
+    for cost in costs:
+        options = [(cost.held[c], cost.seconds[c], c) for c in allowed]
+        cand = sorted((b + w, t + s, (cs, c)) for b, t, cs in front for w, s, c in options if b + w <= slack)
+        front = []
+        for b, t, cs in cand:
+            if not front or t < front[-1][1]:
+                front.append((b, t, cs))
+        if not front:
+            return None
+    held, seconds, node = front[-1]               # the most bytes that fit buy the least time
+    picked: list[str] = []
+    while node is not None:
+        node, c = node
+        picked.append(c)
+    return tuple(reversed(picked)), held, seconds
+
+
+def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 0, saved_extra: int = 0,
           choices: Sequence[str] = CHOICES) -> Plan:
     """The per-layer choices with the least predicted time whose predicted peak fits ``budget`` bytes, exactly.
 
@@ -290,6 +326,8 @@ def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 
         base: predicted peak with every layer offloaded (weights, optimizer state, logits, the recompute's
             workspace and the staging buffers all in it).
         staging: the offload's staging buffers, in ``base``: a plan that offloads no layer does not need them.
+        saved_extra: what a plan with ``offload_saved`` layers holds on top of ``base`` (the prefetched layer's
+            reloaded activations beside the current one's).
 
     Raises:
         BudgetError: when not even every layer offloaded fits.
@@ -297,38 +335,25 @@ def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 
     if base > budget:
         raise BudgetError(f"memory_budget {_size(budget)} is below the smallest plan's peak "
                           f"({_size(base)}, every layer offloaded): give at least {_size(base)}")
+    choices = [c for c in choices if all(c in cost.held and c in cost.seconds for cost in costs)]
     best: Plan | None = None
-    # two cases: some layer offloads (the staging buffers are paid), or none does (they are not)
-    for allowed, slack in ((tuple(choices), budget - base),
-                           (tuple(c for c in choices if c != "offload"), budget - base + staging)):
-        if not allowed or slack < 0:
-            continue
-        # front: (bytes held, seconds, choices as a linked list (previous, choice)), bytes ascending and
-        # seconds strictly descending
-        front: list[tuple[int, float, Any]] = [(0, 0.0, None)]
-        for cost in costs:
-            options = [(cost.held[c], cost.seconds[c], c) for c in allowed]
-            cand = sorted((b + w, t + s, (cs, c)) for b, t, cs in front for w, s, c in options if b + w <= slack)
-            front = []
-            for b, t, cs in cand:
-                if not front or t < front[-1][1]:
-                    front.append((b, t, cs))
-            if not front:
-                break
-        if not front:
-            continue
-        held, seconds, node = front[-1]               # the most bytes that fit buy the least time
-        picked: list[str] = []
-        while node is not None:
-            node, c = node
-            picked.append(c)
-        cs_ = tuple(reversed(picked))
-        if len(cs_) != len(costs):
-            continue
-        peak = base + held - (0 if "offload" in cs_ else staging)
-        plan = Plan(cs_, budget, peak, seconds, costs[0].tokens if costs else 0)
-        if best is None or (plan.seconds, plan.peak) < (best.seconds, best.peak):
-            best = plan
+    # four cases: some layer offloads its input (the staging buffers are paid) or none does (they are not); some
+    # layer offloads its saved activations (the prefetched layer's activations are paid) or none does
+    for offloads in (True, False):
+        for saves in (True, False):
+            allowed = tuple(c for c in choices if (offloads or c != "offload") and (saves or c != "offload_saved"))
+            slack = budget - base + (0 if offloads else staging) - (saved_extra if saves else 0)
+            if not allowed or slack < 0:
+                continue
+            plan = _best_plan(costs, allowed, slack)
+            if plan is None:
+                continue
+            cs_, held, seconds = plan
+            peak = (base + held - (0 if "offload" in cs_ else staging)
+                    + (saved_extra if "offload_saved" in cs_ else 0))
+            plan = Plan(cs_, budget, peak, seconds, costs[0].tokens if costs else 0)
+            if best is None or (plan.seconds, plan.peak) < (best.seconds, best.peak):
+                best = plan
     if best is None:      # only when "offload" is not among the choices
         raise BudgetError(f"memory_budget {_size(budget)}: no plan of {', '.join(choices)} fits")
     return best
@@ -400,6 +425,7 @@ class MemoryPlanner:
     allowance: int = 0         # optimizer state not yet allocated at step 1
     staging: int = 0           # the staging buffers at step 1's tokens
     fixed_cpu: int = 0         # the model's own bytes (the CPU's stand-in for a measured peak)
+    saved: SavedOffload | None = None     # the offload_saved layers' activations (None: that choice is off)
 
     def layer_func(self, index: int) -> Callable:
         return _PlannedLayer(self, index)
@@ -414,6 +440,11 @@ class MemoryPlanner:
             return selective_checkpoint(function, *args, unsaved=unsaved)
         if choice == "checkpoint":
             return full_checkpoint(function, *args)
+        if choice == "offload_saved":
+            layer = self.layers[index]()
+            resident = [*layer.parameters(), *layer.buffers()] if layer is not None else []
+            with self.saved.layer(index, {t.untyped_storage().data_ptr() for t in resident}):
+                return function(*args)
         out = self.offload[index](function, *args, **kwargs)
         if index == 0 and self.plan is None:
             self._watch_peak(out)
@@ -515,8 +546,15 @@ class MemoryPlanner:
 
     def solve(self, tokens: int) -> Plan:
         costs = [self.costs[k].at(tokens) for k in self.kinds]
+        worst = max(c.held["keep"] for c in costs)
+        choices = CHOICES
+        host = host_memory_available()
+        if self.saved is None or (host is not None and sum(c.held["keep"] for c in costs) > host // 2):
+            # off, or the host could not take every layer's activations with room to spare: no offload_saved
+            choices = tuple(c for c in CHOICES if c != "offload_saved")
         return solve(costs, self.budget, self.base(tokens),
-                     staging=int(math.ceil(self.staging * tokens / self.tokens)))
+                     staging=int(math.ceil(self.staging * tokens / self.tokens)),
+                     saved_extra=worst if self.saved is not None and self.saved.prefetch else 0, choices=choices)
 
     def describe(self) -> str:
         if self.plan is None:
@@ -596,6 +634,9 @@ def enable_memory_plan(model: nn.Module, budget, *, buffers: int = 2, prefetch: 
     if device.type == "cuda" and torch.cuda.memory_allocated(device) > budget_bytes:
         raise BudgetError(f"memory_budget {_size(budget_bytes)} is below what the model already holds "
                           f"({torch.cuda.memory_allocated(device) / GiB:.2f} GiB)")
+    manager = getattr(layers[0]._gradient_checkpointing_func, "manager", None) if layers else None
+    planner.saved = SavedOffload(device, prefetch=manager.prefetch if manager is not None else buffers == 2,
+                                 streams=manager.ops if manager is not None else None)
     for i, layer in enumerate(layers):
         layer._gradient_checkpointing_func = planner.layer_func(i)
     _PLANNERS[key] = planner

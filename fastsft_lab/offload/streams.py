@@ -117,6 +117,10 @@ class StreamOps:
         if self.cuda and key in self._events:   # waiting on an event never recorded is a no-op, as in CUDA
             self.stream(stream).wait_event(self._events[key])
 
+    def discard(self, key: tuple) -> None:
+        """Forget event ``key`` once nothing will wait on it again (keys that name one layer call, not a slot)."""
+        self._events.pop(key, None)
+
     def access(self, stream: str, buf: tuple, mode: str) -> None:
         """Log only: kernels issued on ``stream`` up to here read (``r``) or write (``w``) ``buf``."""
         self._log("access", stream, buf, mode)

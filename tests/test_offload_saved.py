@@ -1,0 +1,189 @@
+"""The memory plan's ``offload_saved`` choice: every saved activation of a layer in host memory, double-buffered.
+
+Exactness (plain training to the bit, every model and mix) is in ``test_plan.py``. Here: each storage view crosses the
+link once per layer call and comes back once; with two buffers the previous layer's activations are on their way
+while a layer's backward runs (and with one, they are not); the stream operations, checked in the model of CUDA
+stream semantics, order every hazard (and a dropped ``record_stream`` or wait is caught); nothing is left waiting
+after a step; a second backward (``retain_graph``) gets the same tensors; a layer that changes a saved activation in
+place is refused; the solver picks the choice where the link hides its copies and not where it does not, and not at
+all when the host could not hold the activations.
+"""
+
+import pytest
+import torch
+
+import fastsft_lab
+from fastsft_lab.data import benchmark_batches
+from fastsft_lab.models import LoraSettings, build_model
+from fastsft_lab.offload import StreamOps, check_stream_order
+from fastsft_lab.offload import plan as P
+from fastsft_lab.offload.saved import SavedOffload
+
+LAYERS = 4
+
+
+def _model(preset="tiny-qwen3"):
+    model = build_model(preset, device="cpu", dtype=torch.float32, num_layers=LAYERS, lora=LoraSettings(rank=4))
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05)
+    return model.train()
+
+
+def _inputs():
+    return benchmark_batches(tokens_per_step=192, row_tokens=96, steps=1, vocab_size=256, mix="short")[0].model_inputs()
+
+
+def _step(model, inputs, retain=False):
+    loss = model(**inputs).loss
+    loss.backward(retain_graph=retain)
+    return loss
+
+
+def _planned(model, choices=("offload_saved",) * LAYERS, **kw):
+    fastsft_lab.apply(model, memory_budget=16, **kw)
+    planner = P.memory_planner(model)
+    planner.saved.min_bytes = 0
+    P.set_plan(model, choices)
+    return planner.saved
+
+
+def test_each_view_crosses_the_link_once_and_comes_back_once():
+    model = _model()
+    saved = _planned(model)
+    packs = []
+    real = saved._pack
+
+    def counting(group, exclude, t):
+        out = real(group, exclude, t)
+        packs.append(out is not t)
+        return out
+
+    saved._pack = counting
+    try:
+        _step(model, _inputs())
+    finally:
+        fastsft_lab.revert(model)
+    s = saved.stats
+    assert s.layers == LAYERS and s.tensors > 0
+    assert sum(packs) > s.tensors            # q, k, v and the adapters save one normalised input: copied once
+    assert s.bytes_loaded == s.bytes_stored > 0
+    assert s.kept > 0                        # the weights autograd saves stay where they are
+
+
+@pytest.mark.parametrize("buffers", [2, 1])
+def test_two_buffers_reload_the_previous_layer_under_the_current_backward(buffers):
+    model = _model()
+    saved = _planned(model, offload_buffers=buffers)
+    log = saved.ops.log = []
+    try:
+        _step(model, _inputs())
+    finally:
+        fastsft_lab.revert(model)
+    s = saved.stats
+    if buffers == 1:
+        assert s.prefetches == 0 and s.prefetch_hits == 0
+        return
+    assert s.prefetches == LAYERS - 1 and s.prefetch_hits == LAYERS - 1
+    # layer k-1's reloads are issued when layer k's backward starts: before its first read, after layer k+1's
+    first_read, first_load = {}, {}
+    for i, op in enumerate(log):
+        if op[0] == "access" and op[2][:2] == ("saved", "device"):
+            (first_load if op[1] == "copy" else first_read).setdefault(op[2][2], i)
+    seqs = sorted(first_load, reverse=True)          # backward order: the last layer first
+    assert len(seqs) == LAYERS
+    for newer, older in zip(seqs, seqs[1:]):
+        assert first_read[newer] > first_load[older], (newer, older)
+    for newest, newer, older in zip(seqs, seqs[1:], seqs[2:]):
+        assert first_load[older] > first_read[newest], (newest, older)    # not before it is needed next
+
+
+def test_stream_order_holds_and_a_dropped_protection_is_caught():
+    class DropSavedRecordStream(StreamOps):
+        def record_stream(self, tensor, buf, stream):
+            if buf[0] != "saved":
+                super().record_stream(tensor, buf, stream)
+
+    class DropSavedWait(StreamOps):
+        def wait_event(self, stream, key):
+            if key[0] != "saved-ready":
+                super().wait_event(stream, key)
+
+    for ops_cls, clean in ((StreamOps, True), (DropSavedRecordStream, False), (DropSavedWait, False)):
+        model = _model()
+        saved = _planned(model)
+        saved.ops = ops_cls(torch.device("cpu"))
+        saved.ops.log = []
+        try:
+            _step(model, _inputs())
+        finally:
+            fastsft_lab.revert(model)
+        problems = check_stream_order(saved.ops.log)
+        assert (problems == []) == clean, (ops_cls.__name__, problems[:3])
+
+
+def test_nothing_waits_after_the_step_and_a_second_backward_gets_the_same_tensors():
+    model = _model()
+    inputs = _inputs()
+    loss = model(**inputs).loss
+    loss.backward(retain_graph=True)
+    reference = {n: 2 * p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    saved = _planned(model)
+    try:
+        _step(model, inputs, retain=True).backward()
+        assert not saved._waiting and not [k for k in saved.ops._events if k[0] == "saved-ready"]
+        for n, g in reference.items():
+            torch.testing.assert_close(dict(model.named_parameters())[n].grad, g, rtol=0, atol=0, msg=n)
+    finally:
+        fastsft_lab.revert(model)
+
+
+def test_a_layer_that_changes_a_saved_activation_in_place_is_refused():
+    saved = SavedOffload("cpu", min_bytes=0)
+    x = torch.randn(8, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="changed a saved activation in place"):
+        with saved.layer(0, set()):
+            y = x * 2
+            z = y.sin()                  # saves y
+            y.add_(1)                    # and changes it
+    assert z is not None
+
+
+def _cost(keep_s, saved_s, keep=1000):
+    return P.LayerCost("layer", 1000, {"keep": keep_s, "selective": keep_s + 0.2, "checkpoint": keep_s + 0.4,
+                                       "offload": keep_s + 0.5, "offload_saved": saved_s},
+                       {"keep": keep, "selective": 400, "checkpoint": 100, "offload": 0, "offload_saved": 0})
+
+
+def test_the_solver_picks_it_where_the_link_hides_the_copies_and_not_where_it_does_not():
+    base = 10_000
+    budget = base + 1000 + 2 * 1000          # room for two kept layers, or the prefetched layer's activations
+    fast_link = [_cost(1.0, 1.0) for _ in range(6)]
+    plan = P.solve(fast_link, budget, base, staging=100, saved_extra=1000)
+    assert plan.choices.count("offload_saved") >= 4 and plan.peak <= budget, plan
+    slow_link = [_cost(1.0, 3.0) for _ in range(6)]
+    assert "offload_saved" not in P.solve(slow_link, budget, base, staging=100, saved_extra=1000).choices
+    # the prefetched layer's activations are charged (and the input offload's staging buffers are not, when no layer
+    # offloads its input): one byte short of room for them, no offload_saved
+    plan = P.solve(fast_link, base - 100 + 1000, base, staging=100, saved_extra=1000)
+    assert plan.choices == ("offload_saved",) * 6 and plan.peak == base - 100 + 1000
+    assert "offload_saved" not in P.solve(fast_link, base - 100 + 999, base, staging=100, saved_extra=1000).choices
+
+
+def test_a_host_that_could_not_hold_the_activations_gets_no_offload_saved(monkeypatch):
+    model = _model()
+    inputs = _inputs()
+    fastsft_lab.apply(model, memory_budget=16)
+    try:
+        _step(model, inputs)
+        planner = P.memory_planner(model)
+        kind = next(iter(planner.costs))
+        fast = planner.costs[kind]
+        planner.costs[kind] = P.LayerCost(fast.kind, fast.tokens, {**fast.seconds, "offload_saved": 0.0},
+                                          fast.held, fast.unsaved, fast.readings)
+        assert set(planner.solve(fast.tokens).choices) == {"offload_saved"}      # free and fastest: taken
+        monkeypatch.setattr(P, "host_memory_available", lambda: 1 << 10)
+        assert "offload_saved" not in planner.solve(fast.tokens).choices
+    finally:
+        fastsft_lab.revert(model)
