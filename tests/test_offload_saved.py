@@ -187,3 +187,35 @@ def test_a_host_that_could_not_hold_the_activations_gets_no_offload_saved(monkey
         assert "offload_saved" not in planner.solve(fast.tokens).choices
     finally:
         fastsft_lab.revert(model)
+
+
+@pytest.mark.cuda
+def test_cuda_offload_saved_equals_plain_training_and_holds_less():
+    # real streams: stores behind the forward, reloads behind the next layer's backward; the numbers to the bit
+    model = build_model("tiny-qwen3", device="cuda", dtype=torch.bfloat16, num_layers=LAYERS,
+                        lora=LoraSettings(rank=8)).train()
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in benchmark_batches(
+        tokens_per_step=4096, row_tokens=1024, steps=1, vocab_size=256, mix="short")[0].model_inputs().items()}
+
+    def step():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss = model(**inputs).loss
+        forward_held = torch.cuda.memory_allocated() - base
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return loss.detach(), grads, forward_held
+
+    ref_loss, ref, kept_held = step()
+    saved = _planned(model)
+    saved.ops.log = []
+    try:
+        loss, got, saved_held = step()
+    finally:
+        fastsft_lab.revert(model)
+    assert torch.equal(loss, ref_loss) and all(torch.equal(got[n], ref[n]) for n in ref)
+    assert saved.stats.bytes_loaded == saved.stats.bytes_stored > 0
+    assert saved_held < 0.5 * kept_held, (saved_held, kept_held)      # what the forward left on the GPU
+    assert check_stream_order(saved.ops.log) == []

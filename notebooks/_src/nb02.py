@@ -426,7 +426,11 @@ and "every layer offloaded" there is a whole frontier, layer by layer:
   activations: on paper most of the recompute's time back for a fraction of the memory; on the H200 (run
   `h200-2026-12-05b`) it took longer than recomputing the whole layer, so no plan there picked it;
 - **checkpoint** (input kept) or **offload** (input in pinned host memory, the double buffer of this notebook): the
-  whole layer recomputed; offload also frees the input, at the price of the copies where they are not hidden.
+  whole layer recomputed; offload also frees the input, at the price of the copies where they are not hidden;
+- **offload_saved**: nothing recomputed, every saved activation in pinned host memory with the same double buffer
+  (the previous layer's come back under the current layer's backward). It moves a whole layer's activations — about
+  25 times its input at Qwen3-14B width — so it pays only where the link is that much faster than this notebook's
+  (NVLink C2C hosts) or the rows are short; the plan prices it from the link it measures.
 
 `fastsft_lab.apply(model, memory_budget=80)` measures each choice on the first step and picks the fastest mix that
 fits 80 GiB (`fastsft_lab.offload.plan`; every mix computes what plain training computes, tested on the CPU).
