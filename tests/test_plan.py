@@ -133,7 +133,10 @@ def test_the_measuring_step_and_the_solved_plan_equal_plain_training():
         cost = planner.costs["Qwen3DecoderLayer:full_attention"]
         best = min(cost.seconds.values())
         assert all(cost.seconds[c] == best for c in planner.plan.choices), (planner.plan, cost.seconds)
-        assert planner.plan.describe() in fastsft_lab.state(model).memory_plan
+        shown = fastsft_lab.state(model).memory_plan
+        assert planner.plan.describe() in shown
+        # and why: every choice's measured time and bytes for the layer kind
+        assert all(f"{c} {cost.seconds[c] * 1e3:.1f} ms" in shown for c in P.CHOICES), shown
     finally:
         fastsft_lab.revert(model)
     assert fastsft_lab.state(model).checkpointing == "none"

@@ -509,7 +509,7 @@ class MemoryPlanner:
         target = max(tokens, self.max_tokens or 0)
         if self.plan is None or target > self.plan.tokens:
             self.plan = self.solve(target)
-            logger.info("fastsft_lab memory plan: %s", self.plan.describe())
+            logger.info("fastsft_lab memory plan: %s", self.describe())
 
     def _measure(self, index: int, kind: str, function: Callable, x: torch.Tensor, params: list, *,
                  reset_peak: bool = True) -> LayerCost:
@@ -559,7 +559,20 @@ class MemoryPlanner:
     def describe(self) -> str:
         if self.plan is None:
             return f"budget {_size(self.budget)}: measuring (every layer offloaded until step 2)"
-        return f"budget {_size(self.budget)}: {self.plan.describe()}"
+        return f"budget {_size(self.budget)}: {self.plan.describe()}" + self.why()
+
+    def why(self) -> str:
+        """What each choice costs one layer of each kind at the plan's tokens, as measured: the reasons for the plan
+        (empty for a plan set by hand)."""
+        if self.plan is None or self.plan.by_hand or not self.costs:
+            return ""
+        parts = []
+        for kind, cost in self.costs.items():
+            c = cost.at(self.plan.tokens)
+            name = kind.split(":")[-1] or kind
+            parts.append(f"{name}: " + ", ".join(f"{ch} {c.seconds[ch] * 1e3:.1f} ms {_size(c.held[ch])}"
+                                                 for ch in CHOICES if ch in c.seconds))
+        return "; per layer (forward + backward, held until backward) " + "; ".join(parts)
 
 
 class _PlannedLayer:
