@@ -345,10 +345,10 @@ def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 
             slack = budget - base + (0 if offloads else staging) - (saved_extra if saves else 0)
             if not allowed or slack < 0:
                 continue
-            plan = _best_plan(costs, allowed, slack)
-            if plan is None:
+            found = _best_plan(costs, allowed, slack)
+            if found is None:
                 continue
-            cs_, held, seconds = plan
+            cs_, held, seconds = found
             peak = (base + held - (0 if "offload" in cs_ else staging)
                     + (saved_extra if "offload_saved" in cs_ else 0))
             plan = Plan(cs_, budget, peak, seconds, costs[0].tokens if costs else 0)
