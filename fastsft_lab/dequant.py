@@ -33,13 +33,12 @@ bitsandbytes' own forward.
 
 from __future__ import annotations
 
-from types import MethodType
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ._compat import bnb_fix_quant_state, has_triton, in_backward
+from ._util import override_forward, overridden, restore_forwards
 from .model_state import register_state_reader, state
 
 _ORIGINAL = "_fastsft_bnb_forward"
@@ -240,9 +239,7 @@ def enable_fused_dequant(model: nn.Module, *, kernel=None):
         raise ValueError(f"{type(model).__name__} has no bitsandbytes Linear4bit layer (load it with "
                          "BitsAndBytesConfig(load_in_4bit=True)): fused_dequant has nothing to dequantise")
     for _, m in targets:
-        if _ORIGINAL not in m.__dict__:
-            m.__dict__[_ORIGINAL] = m.forward
-            m.forward = MethodType(fused_dequant_forward, m)
+        override_forward(m, _ORIGINAL, fused_dequant_forward)
         if kernel is not None:
             m.__dict__["_fastsft_dequant_kernel"] = kernel
     return state(model)
@@ -250,17 +247,13 @@ def enable_fused_dequant(model: nn.Module, *, kernel=None):
 
 def disable_fused_dequant(model: nn.Module):
     """bitsandbytes' own forward on every layer again (a no-op when it is off)."""
-    for m in model.modules():
-        if _ORIGINAL in m.__dict__:
-            m.__dict__.pop("forward", None)
-            m.__dict__.pop(_ORIGINAL)
-            m.__dict__.pop("_fastsft_dequant_kernel", None)
+    restore_forwards(model, _ORIGINAL, extra=("_fastsft_dequant_kernel",))
     return state(model)
 
 
 def fused_dequant_layers(model: nn.Module) -> int:
     """How many layers of ``model`` run the fused dequantisation."""
-    return sum(_ORIGINAL in m.__dict__ for m in model.modules())
+    return overridden(model, _ORIGINAL)
 
 
 def _read_state(model: nn.Module) -> dict:

@@ -31,11 +31,10 @@ or disabled adapters runs PEFT's own forward. :func:`disable_fused_lora` removes
 
 from __future__ import annotations
 
-from types import MethodType
-
 import torch
 from torch import nn
 
+from ._util import override_forward, overridden, restore_forwards
 from .model_state import register_state_reader, state
 
 _ORIGINAL = "_fastsft_peft_forward"
@@ -124,24 +123,19 @@ def enable_fused_lora(model: nn.Module):
         raise ValueError(f"{type(model).__name__} has no PEFT LoRA linear layer (peft.get_peft_model with "
                          "LoraConfig): fused LoRA has nothing to fuse")
     for _, m in targets:
-        if _ORIGINAL not in m.__dict__:
-            m.__dict__[_ORIGINAL] = m.forward
-            m.forward = MethodType(fused_lora_forward, m)
+        override_forward(m, _ORIGINAL, fused_lora_forward)
     return state(model)
 
 
 def disable_fused_lora(model: nn.Module):
     """PEFT's own forward on every layer again (a no-op when fused LoRA is off)."""
-    for m in model.modules():
-        if _ORIGINAL in m.__dict__:
-            m.__dict__.pop("forward", None)
-            m.__dict__.pop(_ORIGINAL)
+    restore_forwards(model, _ORIGINAL)
     return state(model)
 
 
 def fused_lora_layers(model: nn.Module) -> int:
     """How many layers of ``model`` run the fused LoRA forward."""
-    return sum(_ORIGINAL in m.__dict__ for m in model.modules())
+    return overridden(model, _ORIGINAL)
 
 
 def _read_state(model: nn.Module) -> dict:
