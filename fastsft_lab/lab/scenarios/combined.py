@@ -127,35 +127,31 @@ def combined_variants(model: nn.Module, *, is_moe: bool, packed: str = "varlen",
               moe=moe_naive, offload=1)
     fast = v("all fast", f"PackedMetadata once per batch ({packed}), offload x2 + prefetch, sync-free grouped "
              "experts: 0 host syncs", meta_inputs, packed=packed, moe=moe_fast, offload=2)
+    def fast_plus(name: str, toggle: dict, switch_on, switch_off, note: str) -> Variant:
+        """All fast with one more switch on (turned off again before the reset)."""
+        def enable(m):
+            _configure(m, packed=packed, moe=moe_fast, offload=2)
+            switch_on(m)
+
+        def disable(m):
+            switch_off(m)
+            _reset(m, is_moe)
+
+        return Variant(f"all fast + {name}", {**fast.toggles, **toggle}, enable=enable, disable=disable,
+                       inputs=meta_inputs, note=note)
+
     extra = []
     if compiled:
-        def enable_compiled(m):
-            _configure(m, packed=packed, moe=moe_fast, offload=2)
-            compile_layers(m)
-
-        def disable_compiled(m):
-            uncompile_layers(m)
-            _reset(m, is_moe)
-
-        extra.append(Variant("all fast + compiled layers", {**fast.toggles, "compile_layers": True},
-                             enable=enable_compiled, disable=disable_compiled, inputs=meta_inputs,
-                             note="all fast with every decoder layer compiled (nn.Module.compile, inductor; a "
-                                  "regional compile as Unsloth's); packed attention runs eager between the compiled "
-                                  "regions; compiled in the warm-up steps"))
+        extra.append(fast_plus("compiled layers", {"compile_layers": True}, compile_layers, uncompile_layers,
+                               "all fast with every decoder layer compiled (nn.Module.compile, inductor; a regional "
+                               "compile as Unsloth's); packed attention runs eager between the compiled regions; "
+                               "compiled in the warm-up steps"))
     if dequant:
-        def enable_dequant(m):
-            _configure(m, packed=packed, moe=moe_fast, offload=2)
-            apply(m, fused_dequant=True)
-
-        def disable_dequant(m):
-            apply(m, fused_dequant=False)
-            _reset(m, is_moe)
-
-        extra.append(Variant("all fast + fused dequant", {**fast.toggles, "fused_dequant": True},
-                             enable=enable_dequant, disable=disable_dequant, inputs=meta_inputs,
-                             note="all fast with QLoRA's NF4 weights dequantised by one Triton kernel and kept from "
-                                  "each checkpoint's recompute to its backward (two dequantisations per projection "
-                                  "and step instead of three); bitsandbytes' weights bit for bit"))
+        extra.append(fast_plus("fused dequant", {"fused_dequant": True}, lambda m: apply(m, fused_dequant=True),
+                               lambda m: apply(m, fused_dequant=False),
+                               "all fast with QLoRA's NF4 weights dequantised by one Triton kernel and kept from each "
+                               "checkpoint's recompute to its backward (two dequantisations per projection and step "
+                               "instead of three); bitsandbytes' weights bit for bit"))
     if which == "core":
         return [default, naive, fast, *extra]
     out = [default]
