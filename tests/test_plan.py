@@ -563,3 +563,46 @@ def test_selective_saves_the_nf4_matmuls_and_stays_exact():
             _assert_bitwise(reference, _step(model, inputs))
     finally:
         fastsft_lab.revert(model)
+
+
+def test_the_allocated_reading_counts_only_what_a_kept_layer_holds(monkeypatch):
+    """A kept layer's bytes are also read from the allocator (CUDA: ``memory_allocated`` after a forward), for what
+    autograd keeps outside saved tensors. That reading must come from a plain forward: the selective choice's op-
+    output records hold every matmul output, saved or not, and read under them a MoE layer's unsaved expert outputs
+    counted as kept (the H200's GPT-OSS plan predicted 1.21 GB a layer; it held about 0.9). Here an allocator
+    stand-in counts the live op outputs (weakly, as the allocator sees them): the reading equals what autograd saves."""
+    import weakref
+
+    from fastsft_lab._compat import TorchDispatchMode, pytree
+
+    class Allocator(TorchDispatchMode):
+        def __init__(self, exclude):
+            super().__init__()
+            self.refs, self.exclude = [], exclude
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.refs += [weakref.ref(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            return out
+
+        def allocated(self, device):
+            live = {}
+            for ref in self.refs:
+                if (t := ref()) is not None and t.untyped_storage().data_ptr() not in self.exclude:
+                    live[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return sum(live.values())
+
+    model = build_model("tiny-gpt-oss", device="cpu", dtype=torch.float32, num_layers=1)
+    layer = decoder_layers(model)[0]
+    x = torch.randn(1, 256, model.config.hidden_size)
+    pos = torch.arange(256)[None]
+    rotary = model.model.rotary_emb(x, pos)
+    resident = [*layer.parameters(), *layer.buffers()]
+    allocator = Allocator({t.untyped_storage().data_ptr() for t in resident})
+    monkeypatch.setattr(P, "_allocated_now", allocator.allocated)
+    with allocator:
+        cost = P.measure_layer(lambda h: layer(h, position_embeddings=rotary, position_ids=pos, attention_mask=None),
+                               x, [], resident=resident, repeats=1)
+    # what autograd saves, less the layer's input (allocated before the reading began)
+    assert cost.readings["allocated"] + x.numel() * x.element_size() == cost.readings["saved"], cost.readings
+    assert cost.held["keep"] == cost.readings["saved"]

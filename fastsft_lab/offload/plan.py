@@ -206,6 +206,11 @@ def _timed(device: torch.device, fn: Callable[[], Any], repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _allocated_now(device: torch.device) -> int | None:
+    """Bytes the caching allocator has handed out on ``device`` (CUDA), None where there is no such reading."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+
 def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Tensor], *, kind: str = "layer",
                   buffers: int = 2, repeats: int = 3, resident: Sequence[torch.Tensor] = ()) -> LayerCost:
     """Measure one decoder layer call ``function(x)`` under every choice, on a detached copy of its input.
@@ -225,15 +230,22 @@ def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Te
 
     # bytes held from forward to backward: what autograd saves (keep), the input plus the saved matmul and
     # attention outputs (selective), the input alone (checkpoint), nothing (offload)
+    readings: dict[str, int] = {}
+    before = _allocated_now(device)
+    if before is not None:
+        # also what autograd keeps outside saved tensors (a Function's attributes), read after a plain forward:
+        # nothing of the measurement may hold the layer's tensors then (the op-output records below hold every
+        # matmul output, saved or not -- read under them, a MoE layer's unsaved expert outputs counted as kept)
+        out = _first_tensor(function(inp))
+        after = _allocated_now(device)
+        readings["allocated"] = (after or 0) - before - out.untyped_storage().nbytes()
+        del out
     count = _SavedBytes(exclude)
-    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     with torch.autograd.graph.saved_tensors_hooks(count.pack, lambda t: t), count.mode():
         out = _first_tensor(function(inp))
     in_bytes = inp.untyped_storage().nbytes()
-    readings = {"saved": sum(count.saved.values())}
+    readings["saved"] = sum(count.saved.values())
     small_saved = list(count.saved.values())          # what offload_saved leaves on the device: the small ones
-    if device.type == "cuda":      # also what autograd keeps outside saved tensors (a Function's attributes)
-        readings["allocated"] = torch.cuda.memory_allocated(device) - before - out.untyped_storage().nbytes()
     keep = max(readings.values())
     del out
     records = [r for p, r in count.selective.items() if p != inp.untyped_storage().data_ptr()]
