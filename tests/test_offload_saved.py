@@ -219,3 +219,23 @@ def test_cuda_offload_saved_equals_plain_training_and_holds_less():
     assert saved.stats.bytes_loaded == saved.stats.bytes_stored > 0
     assert saved_held < 0.5 * kept_held, (saved_held, kept_held)      # what the forward left on the GPU
     assert check_stream_order(saved.ops.log) == []
+
+
+def test_a_gpu_that_shares_the_host_memory_gets_no_offloading():
+    model = _model()
+    inputs = _inputs()
+    fastsft_lab.apply(model, memory_budget=16)
+    try:
+        _step(model, inputs)
+        planner = P.memory_planner(model)
+        kind = next(iter(planner.costs))
+        c = planner.costs[kind]
+        free = {**c.seconds, "offload": 0.0, "offload_saved": 0.0}       # the fastest, were memory separate
+        planner.costs[kind] = P.LayerCost(c.kind, c.tokens, free, c.held, c.unsaved, c.readings)
+        assert set(planner.solve(c.tokens).choices) <= {"offload", "offload_saved"}
+        planner.unified = True
+        plan = planner.plan = planner.solve(c.tokens)
+        assert not set(plan.choices) & {"offload", "offload_saved"}, plan
+        assert "unified memory: no offloading" in fastsft_lab.state(model).memory_plan
+    finally:
+        fastsft_lab.revert(model)

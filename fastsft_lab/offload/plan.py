@@ -32,6 +32,9 @@ How a plan is made (:class:`MemoryPlanner`, switched on by ``apply(model, memory
 3. a later batch with more tokens than the plan was made for re-plans on the host (token counts are shapes: no host
    sync); ``max_tokens`` plans for the largest batch up front.
 
+On a GPU that shares the host's memory (GB10, Jetson) the plan offloads nothing: a byte moved to "host" memory is
+still a byte of the same memory (the allocator's counters would not see it).
+
 What the prediction leaves out: the optimizer's state when step 1 ran before the first ``optimizer.step()`` (it
 adds ``optimizer_bytes_per_param`` bytes, 8 = Adam in float32, per trainable parameter), and allocator
 fragmentation (keep a margin in the budget). On a CPU the peak of step 1 is not measured: the model's own bytes
@@ -438,6 +441,7 @@ class MemoryPlanner:
     staging: int = 0           # the staging buffers at step 1's tokens
     fixed_cpu: int = 0         # the model's own bytes (the CPU's stand-in for a measured peak)
     saved: SavedOffload | None = None     # the offload_saved layers' activations (None: that choice is off)
+    unified: bool = False      # the GPU shares the host's memory (GB10, Jetson): offloading frees nothing there
 
     def layer_func(self, index: int) -> Callable:
         return _PlannedLayer(self, index)
@@ -564,6 +568,8 @@ class MemoryPlanner:
         if self.saved is None or (host is not None and sum(c.held["keep"] for c in costs) > host // 2):
             # off, or the host could not take every layer's activations with room to spare: no offload_saved
             choices = tuple(c for c in CHOICES if c != "offload_saved")
+        if self.unified:     # "host" memory is the GPU's own: an offloaded byte is still a used byte
+            choices = tuple(c for c in choices if c not in ("offload", "offload_saved"))
         return solve(costs, self.budget, self.base(tokens),
                      staging=int(math.ceil(self.staging * tokens / self.tokens)),
                      saved_extra=worst if self.saved is not None and self.saved.prefetch else 0, choices=choices)
@@ -571,7 +577,8 @@ class MemoryPlanner:
     def describe(self) -> str:
         if self.plan is None:
             return f"budget {_size(self.budget)}: measuring (every layer offloaded until step 2)"
-        return f"budget {_size(self.budget)}: {self.plan.describe()}" + self.why()
+        unified = " (unified memory: no offloading, it would free nothing)" if self.unified else ""
+        return f"budget {_size(self.budget)}: {self.plan.describe()}{unified}" + self.why()
 
     def why(self) -> str:
         """What each choice costs one layer of each kind at the plan's tokens, as measured: the reasons for the plan
@@ -651,10 +658,11 @@ def enable_memory_plan(model: nn.Module, budget, *, buffers: int = 2, prefetch: 
     budget_bytes = parse_budget(budget, total, free)
     enable_offloaded_checkpointing(model, buffers, prefetch)
     layers = decoder_layers(model)
+    unified = device.type == "cuda" and bool(getattr(torch.cuda.get_device_properties(device), "is_integrated", 0))
     planner = MemoryPlanner(budget_bytes, device, layer_kinds(model),
                             [layer._gradient_checkpointing_func for layer in layers], buffers=buffers,
                             max_tokens=max_tokens, optimizer_bytes_per_param=optimizer_bytes_per_param,
-                            layers=[weakref.ref(layer) for layer in layers],
+                            layers=[weakref.ref(layer) for layer in layers], unified=unified,
                             fixed_cpu=_tensor_bytes(key.parameters()) + _tensor_bytes(key.buffers()))
     if device.type == "cuda" and torch.cuda.memory_allocated(device) > budget_bytes:
         raise BudgetError(f"memory_budget {_size(budget_bytes)} is below what the model already holds "
