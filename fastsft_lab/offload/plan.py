@@ -560,7 +560,8 @@ class MemoryPlanner:
         worst = max(c.at(tokens).held["keep"] for c in self.costs.values())    # the recompute's activations
         return self.fixed_cpu + self.allowance + int(math.ceil(self.staging * r)) + worst
 
-    def solve(self, tokens: int) -> Plan:
+    def solve(self, tokens: int, budget: int | None = None) -> Plan:
+        """The plan for ``tokens`` tokens under ``budget`` bytes (default: this planner's budget)."""
         costs = [self.costs[k].at(tokens) for k in self.kinds]
         worst = max(c.held["keep"] for c in costs)
         choices = CHOICES
@@ -570,7 +571,7 @@ class MemoryPlanner:
             choices = tuple(c for c in CHOICES if c != "offload_saved")
         if self.unified:     # "host" memory is the GPU's own: an offloaded byte is still a used byte
             choices = tuple(c for c in choices if c not in ("offload", "offload_saved"))
-        return solve(costs, self.budget, self.base(tokens),
+        return solve(costs, self.budget if budget is None else budget, self.base(tokens),
                      staging=int(math.ceil(self.staging * tokens / self.tokens)),
                      saved_extra=worst if self.saved is not None and self.saved.prefetch else 0, choices=choices)
 

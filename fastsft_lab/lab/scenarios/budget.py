@@ -43,6 +43,8 @@ class BudgetOptions:
     points: int = option(5, kind="int", help="budgets per frontier, from the smallest plan to keeping everything "
                                              "(or 90% of the free GPU memory)")
     budgets: list = option([], kind="strs", help="budgets in GiB instead of the even spread (e.g. 40,60,80)")
+    fused_dequant: bool = option(False, kind="bool", help="the floor also dequantises NF4 in one kernel "
+                                 "(fastsft_lab.dequant; quant=nf4 only)")
     steps: int = option(5, kind="int", help="measured steps per variant")
     warmup: int = option(2, kind="int", help="warm-up steps per variant")
 
@@ -156,6 +158,8 @@ class BudgetScenario(Scenario):
                 raise OptionError(f"budgets: {b!r} is not a positive number of GiB") from None
         if any(t < 16 for t in opts.tokens):
             raise OptionError(f"tokens must be >= 16 each, got {opts.tokens}")
+        if opts.fused_dequant and opts.quant != "nf4":
+            raise OptionError(f"fused_dequant needs quant=nf4 (QLoRA), got quant={opts.quant}")
 
     def run(self, opts, *, device: torch.device, out_dir: str, progress: bool = True) -> list[dict]:
         dtype = getattr(torch, opts.dtype)
@@ -167,6 +171,8 @@ class BudgetScenario(Scenario):
             floor["fused_lora"] = device.type == "cuda"     # the fused LoRA GEMM is a CUDA kernel's floor
         if PRESETS[opts.preset].is_moe:
             floor["moe_routing"] = "sync_free"              # an MoE model's floor routes its experts sync-free
+        if opts.fused_dequant:
+            floor["fused_dequant"] = True
         toggles.apply(model, **floor)
         results = []
         for tokens in opts.tokens:
@@ -184,7 +190,7 @@ class BudgetScenario(Scenario):
             plans, seen = [], set()
             for b in budgets:
                 try:
-                    plan = P.solve(full, b, base, staging=staging)
+                    plan = planner.solve(tokens, budget=b)         # what apply(memory_budget=b) would solve
                 except P.BudgetError as e:
                     print(f"  {tokens} tokens: {e}")
                     continue
