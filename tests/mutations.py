@@ -258,6 +258,8 @@ MUTATIONS = [
              (TPL, "-k", "every_choice")),
     Mutation("saved-no-prefetch", O + "saved.py", "            if self.prefetch:\n                prev =",
              "            if False:\n                prev =", ("tests/test_offload_saved.py", "-k", "buffers")),
+    Mutation("saved-stores-unbounded", O + "saved.py", "while len(self._storing) >= (2 if self.prefetch else 1):",
+             "while False:", ("tests/test_offload_saved.py", "-k", "buffers")),
     Mutation("saved-activation-unprotected", O + "saved.py",
              '        ops.record_stream(t, src, "copy")             # autograd may drop ``t`` once packed\n', "",
              ("tests/test_offload_saved.py", "-k", "stream_order")),

@@ -81,6 +81,11 @@ def test_two_buffers_reload_the_previous_layer_under_the_current_backward(buffer
     finally:
         fastsft_lab.revert(model)
     s = saved.stats
+    # at most `buffers` layers' stores in flight: each layer from the (buffers+1)-th waits for the stores of the
+    # layer `buffers` back before it runs
+    waits = [op[2][1] for op in log if op[:2] == ("wait_event", "compute") and op[2][0] == "saved-stored"]
+    stored = [op[1][1] for op in log if op[0] == "record" and op[1][0] == "saved-stored"]
+    assert waits == stored[:LAYERS - buffers], (waits, stored)
     if buffers == 1:
         assert s.prefetches == 0 and s.prefetch_hits == 0
         return

@@ -10,7 +10,9 @@ How (``torch.autograd.graph.saved_tensors_hooks`` around one layer call, :meth:`
 
 * forward (pack): each saved tensor of the layer's own activations -- not its parameters or buffers, nothing under
   ``min_bytes`` -- is copied to pinned host memory on the copy stream, once per storage view (the normalised input
-  that q, k, v and the LoRA adapters all save crosses the link once);
+  that q, k, v and the LoRA adapters all save crosses the link once). At most two layers' stores are in flight (one
+  without the double buffer): a layer waits for the stores of the layer two before it, so copies slower than the
+  forward cannot pile up activations that are waiting to be freed;
 * backward (unpack): the layer's first unpack brings all of its tensors back (unless prefetched) and, with the double
   buffer, issues the previous layer's reload at once, so that it runs under this layer's backward; each tensor is
   let go when its last saver has unpacked it (autograd frees it after its node's backward). At most two layers'
@@ -20,7 +22,8 @@ Stream ordering (CUDA; the streams and every operation through :class:`~.streams
 :func:`~.streams.check_stream_order` as the layer-input offload is):
 
 * activation (written by compute) -> host (D2H on copy): ``copy.wait_stream(compute)`` before the copy;
-  ``record_stream(copy)`` on the activation, which autograd may free right after packing;
+  ``record_stream(copy)`` on the activation, which autograd may free right after packing; ``compute.wait_event
+  (stored)`` of the layer two back before a layer runs (the bound on stores in flight);
 * host -> GPU tensor (H2D on copy, backward): the host copy was written by the same stream; the GPU tensor is
   allocated from the copy stream's pool (the stream that writes it first) and ``record_stream(compute)`` covers the
   backward's reads when autograd frees it;
@@ -119,6 +122,7 @@ class SavedOffload:
         self._seq = itertools.count()
         self._lock = threading.Lock()
         self._waiting: dict[int, weakref.ref] = {}        # seq -> group still on the host, for the prefetch
+        self._storing: list[int] = []                       # layer calls whose stores may still be running
 
     @contextlib.contextmanager
     def layer(self, index: int, exclude: set[int]):
@@ -128,6 +132,7 @@ class SavedOffload:
         with self._lock:
             self._waiting[group.seq] = weakref.ref(group, functools.partial(self._forget, group.seq))
         self.stats.layers += 1
+        self._throttle()
         try:
             with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, group, exclude),
                                                           self._unpack):
@@ -136,10 +141,21 @@ class SavedOffload:
             changed = [t for t, (*_, version) in zip(group.sources, group.by_view) if t._version != version]
             group.sources.clear()
             group.by_view.clear()
+            self.ops.record(("saved-stored", group.seq), "copy")
+            self._storing.append(group.seq)
         if changed:
             raise RuntimeError(f"offload_saved: layer {index} changed a saved activation in place after autograd "
                                "saved it (plain autograd refuses that at backward); plan this layer as 'keep' or "
                                "'checkpoint'")
+
+    def _throttle(self) -> None:
+        """Before a layer runs: at most two layers' stores in flight (one without the double buffer). A stored
+        activation's memory is reused only once its copy is done, so copies slower than the forward would otherwise
+        pile up layer after layer; the wait is the exposed store time the plan's cost model charges."""
+        while len(self._storing) >= (2 if self.prefetch else 1):
+            seq = self._storing.pop(0)
+            self.ops.wait_event("compute", ("saved-stored", seq))
+            self.ops.discard(("saved-stored", seq))
 
     def _forget(self, seq: int, _ref=None) -> None:
         with self._lock:
