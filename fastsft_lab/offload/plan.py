@@ -341,8 +341,8 @@ def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 
         base: predicted peak with every layer offloaded (weights, optimizer state, logits, the recompute's
             workspace and the staging buffers all in it).
         staging: the offload's staging buffers, in ``base``: a plan that offloads no layer does not need them.
-        saved_extra: what a plan with ``offload_saved`` layers holds on top of ``base`` (the prefetched layer's
-            reloaded activations beside the current one's).
+        saved_extra: what a plan with ``offload_saved`` layers holds on top of ``base`` (their stores in flight in
+            the forward, the prefetched layer beside the current one in the backward).
 
     Raises:
         BudgetError: when not even every layer offloaded fits.
@@ -573,7 +573,15 @@ class MemoryPlanner:
             choices = tuple(c for c in choices if c not in ("offload", "offload_saved"))
         return solve(costs, self.budget if budget is None else budget, self.base(tokens),
                      staging=int(math.ceil(self.staging * tokens / self.tokens)),
-                     saved_extra=worst if self.saved is not None and self.saved.prefetch else 0, choices=choices)
+                     saved_extra=self._saved_extra(worst), choices=choices)
+
+    def _saved_extra(self, worst: int) -> int:
+        """What ``offload_saved`` layers hold beyond the smallest plan's peak (one layer recomputed at a time):
+        in the forward, the stores in flight (two layers' with the double buffer, one without); in the backward, the
+        prefetched layer beside the current one (fewer)."""
+        if self.saved is None:
+            return 0
+        return (2 if self.saved.prefetch else 1) * worst
 
     def describe(self) -> str:
         if self.plan is None:
