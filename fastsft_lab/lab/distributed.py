@@ -51,6 +51,10 @@ CASES: dict[str, tuple] = {
     # layer's own inputs and parameters: no gradient accumulated, DDP's reducer untouched), every layer offloaded
     "ddp-qwen3-lora-memory-plan": ("ddp", "tiny-qwen3", True,
                                    dict(packed_attention="sdpa", memory_budget=16, fused_loss=True), True),
+    # a fixed plan mixing every choice, offload_saved's hooks and copies included (``plan``: set_plan after apply)
+    "ddp-qwen3-lora-plan-every-choice": ("ddp", "tiny-qwen3", True,
+                                         dict(packed_attention="sdpa", memory_budget=16, fused_loss=True,
+                                              plan=("offload_saved", "selective", "keep")), True),
     # TRL's padding-free collator on each rank's sequences (one flattened row per rank, seq_idx and cu_seq_lens)
     "ddp-qwen3-trl-padding-free": ("ddp", "tiny-qwen3", True,
                                    dict(packed_attention="sdpa", offload_buffers=2, fused_loss=True), True, None,
@@ -179,6 +183,19 @@ def _wrap(model: torch.nn.Module, wrapper: str) -> torch.nn.Module:
     raise ValueError(f"unknown wrapper {wrapper!r}; valid: ddp, fsdp2")
 
 
+def _apply(model: torch.nn.Module, switches: dict) -> None:
+    """``fastsft_lab.apply(model, **switches)``; a ``plan`` among them is then fixed with ``set_plan``, every saved
+    activation of its offload_saved layers moved (the tiny models' are all under the default size it leaves)."""
+    switches = dict(switches)
+    plan = switches.pop("plan", None)
+    fastsft_lab.apply(model, **switches)
+    if plan is not None:
+        from fastsft_lab.offload import plan as P
+
+        P.set_plan(model, plan)
+        P.memory_planner(model).saved.min_bytes = 0
+
+
 def run_case(name: str) -> dict | None:
     wrapper, preset, lora, switches, before, *rest = CASES[name]
     scope = rest[0] if rest else None
@@ -198,12 +215,12 @@ def run_case(name: str) -> dict | None:
     counts = [torch.zeros_like(n_local) for _ in range(world)]
     dist.all_gather(counts, n_local)
     if before:
-        fastsft_lab.apply(model, **switches)
+        _apply(model, switches)
     if scope is not None:
         set_router_loss_scope(model, scope)
     wrapped = _wrap(model, wrapper)
     if not before:
-        fastsft_lab.apply(wrapped, **switches)
+        _apply(wrapped, switches)
     state = str(fastsft_lab.state(wrapped))
     holder = {}
     per_expert = _tokens_per_expert(model, lambda: holder.setdefault("out", wrapped(**mine, num_items_in_batch=n_global)))
@@ -215,12 +232,12 @@ def run_case(name: str) -> dict | None:
     if rank != 0:
         return None
     ref_model = _model(preset, lora, router_loss=scope is not None)     # one process: the stock router loss
-    fastsft_lab.apply(ref_model, **switches)
+    _apply(ref_model, switches)
     ref_out = ref_model(**reference, num_items_in_batch=_n_items(reference["labels"]))
     ref_out.loss.backward()
     ref = _grads(ref_model)
     local_model = _model(preset, lora, router_loss=scope is not None)   # rank 0's own row alone
-    fastsft_lab.apply(local_model, **switches)
+    _apply(local_model, switches)
     (local_model(**mine, num_items_in_batch=n_global).loss * world).backward()
     local = _grads(local_model)
     diffs, missing, zero = {}, [], []
