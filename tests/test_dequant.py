@@ -257,3 +257,15 @@ def test_the_combined_benchmark_times_it_beside_all_fast_on_qlora_models():
     assert st.fused_dequant and st.offload_buffers == 2 and st.packed == "sdpa"
     variant.disable(model)
     assert not fastsft_lab.state(model).fused_dequant
+
+
+def test_composes_with_fused_lora_to_the_bit(one_cpu_thread):
+    # fused LoRA adds into the base output in place: with the fused dequantisation underneath, the same numbers
+    model = _qlora(True)
+    batch = benchmark_batches(tokens_per_step=128, steps=1, vocab_size=model.config.vocab_size, mix="short")[0]
+    fastsft_lab.apply(model, fused_lora=True)
+    ref_loss, ref = _step(model, batch)
+    assert fastsft_lab.apply(model, fused_dequant=True).fused_lora
+    loss, got = _step(model, batch)
+    assert torch.equal(loss, ref_loss) and all(torch.equal(got[n], ref[n]) for n in ref)
+    fastsft_lab.revert(model)
