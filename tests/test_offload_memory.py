@@ -184,3 +184,25 @@ def test_the_pool_refuses_in_one_line_before_host_memory_runs_out(monkeypatch):
     assert p.num_slots == 1                                    # nothing allocated by the refused request
     monkeypatch.setattr(P, "host_memory_available", lambda: None)   # unknown (not Linux): no check
     assert P.local_ranks() == 4 and p.acquire(2**20) == 1
+
+
+def test_host_memory_available_is_capped_by_the_cgroup_limit(monkeypatch):
+    import io
+
+    from fastsft_lab.offload import pool
+
+    files = {"/proc/meminfo": "MemTotal: 100000000 kB\nMemAvailable: 80000000 kB\n",
+             "/sys/fs/cgroup/memory.max": str(16 * 2**30), "/sys/fs/cgroup/memory.current": str(6 * 2**30)}
+
+    def fake_open(path, *args, **kwargs):
+        if path not in files:
+            raise FileNotFoundError(path)
+        return io.StringIO(files[path])
+
+    monkeypatch.setattr(pool, "open", fake_open, raising=False)
+    assert pool.host_memory_available() == 10 * 2**30              # the container's 16 GiB, 6 used
+    files["/sys/fs/cgroup/memory.max"] = "max"
+    assert pool.host_memory_available() == 80000000 * 1024         # no limit: the host's MemAvailable
+    del files["/proc/meminfo"]
+    files["/sys/fs/cgroup/memory.max"] = str(16 * 2**30)
+    assert pool.host_memory_available() == 10 * 2**30

@@ -17,15 +17,30 @@ HOST_RESERVE_BYTES = 2 * 2**30
 
 
 def host_memory_available() -> int | None:
-    """Bytes of host memory available now (Linux ``MemAvailable``), or None where it cannot be read."""
+    """Bytes of host memory this process can still use: Linux ``MemAvailable``, capped by the cgroup's limit where
+    one is set (a container: Colab, Kubernetes); None where neither can be read."""
+    avail = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    avail = int(line.split()[1]) * 1024
     except OSError:
-        return None
-    return None
+        pass
+    for limit_path, usage_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_path) as f:
+                raw = f.read().strip()
+            if raw == "max" or int(raw) > 1 << 60:
+                continue
+            with open(usage_path) as f:
+                left = int(raw) - int(f.read().strip())
+            avail = left if avail is None else min(avail, left)
+        except (OSError, ValueError):
+            continue
+    return avail
 
 
 def local_ranks() -> int:

@@ -27,6 +27,7 @@ from ...data import benchmark_batches
 from ...models import LoraSettings, base_model, build_model, get_preset, model_device
 from ...offload import (CheckpointingSwitch, StreamOps, disable_offloaded_checkpointing, enable_offloaded_checkpointing,
                         offload_manager)
+from ...offload.pool import host_memory_available
 from ..harness import Variant, format_derived, format_table, make_result, run_variants, write_json
 from ..plots import plot_offload_result, plot_sweep, plot_timelines, save_figure
 from ..scenario import OptionError, Scenario, option
@@ -168,32 +169,6 @@ def make_variants(model: nn.Module, keys: Sequence[str] = VARIANT_KEYS, device: 
         out.append(v)
         objs[v.name] = sw
     return out, objs
-
-
-def host_memory_available() -> int | None:
-    """Bytes of host memory this process can still use: MemAvailable, capped by a cgroup limit if one is set."""
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    for limit_path, usage_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            with open(limit_path) as f:
-                raw = f.read().strip()
-            if raw == "max" or int(raw) > 1 << 60:
-                continue
-            with open(usage_path) as f:
-                left = int(raw) - int(f.read().strip())
-            avail = left if avail is None else min(avail, left)
-        except (OSError, ValueError):
-            continue
-    return avail
 
 
 def estimate_host_bytes(key: str, *, num_layers: int, tokens: int, hidden: int, vocab: int,
