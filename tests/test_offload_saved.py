@@ -244,3 +244,23 @@ def test_a_gpu_that_shares_the_host_memory_gets_no_offloading():
         assert "unified memory: no offloading" in fastsft_lab.state(model).memory_plan
     finally:
         fastsft_lab.revert(model)
+
+
+def test_the_budget_scenario_variant_keeping_everything_on_the_host_trains_as_plain_training():
+    from fastsft_lab.lab.scenarios.budget import _offload_saved_everywhere
+
+    model = _model()
+    inputs = _inputs()
+    loss = _step(model, inputs)
+    reference = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    variant = _offload_saved_everywhere(LAYERS)
+    variant.enable(model)
+    try:
+        P.memory_planner(model).saved.min_bytes = 0
+        assert torch.equal(_step(model, inputs), loss)
+        assert all(torch.equal(p.grad, reference[n]) for n, p in model.named_parameters() if p.grad is not None)
+        assert P.memory_planner(model).saved.stats.bytes_loaded > 0
+    finally:
+        variant.disable(model)
+    assert fastsft_lab.state(model).checkpointing == "none"

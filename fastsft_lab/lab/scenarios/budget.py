@@ -24,6 +24,7 @@ from ... import toggles
 from ...data import benchmark_batches
 from ...models import PRESETS, LoraSettings, build_model
 from ...offload import plan as P
+from ...offload.pool import host_memory_available
 from ...packing import packed_inputs
 from ..harness import Variant, format_derived, format_table, make_result, run_variants, with_autocast, write_json
 from ..scenario import OptionError, Scenario, option
@@ -117,8 +118,40 @@ def _plan_variant(plan: P.Plan, costs: dict) -> Variant:
                    note="the plan apply(memory_budget=...) solves for this budget, run as a fixed plan")
 
 
-def _references() -> list[Variant]:
-    return [Variant("offload x2 + prefetch everywhere (README recipe)",
+def _offload_saved_everywhere(layers: int) -> Variant:
+    def enable(model):
+        total, _ = P.device_memory(next(model.parameters()).device)
+        toggles.apply(model, memory_budget=0.99 * total / P.GiB if total else 1024)   # a fixed plan: any budget
+        P.set_plan(model, ("offload_saved",) * layers)
+
+    return Variant("offload_saved everywhere", enable=enable, disable=lambda m: toggles.apply(m, memory_budget="off"),
+                   inputs=_inputs, toggles={"plan": ["offload_saved"] * layers},
+                   note="every layer's saved activations in pinned host memory, double-buffered (a fixed plan): "
+                        "no recompute; against TRL's activation offloading (the same idea) and no checkpointing "
+                        "(its limit)")
+
+
+def _references(device: torch.device, layers: int, activation_bytes: int) -> list[Variant]:
+    """The references every frontier is timed against; on a GPU whose host can pin every layer's activations twice
+    over (both peers' pinned blocks stay cached between interleaved steps), also the two that keep every activation
+    in host memory: ``offload_saved`` everywhere and TRL's activation offloading."""
+    peers = []
+    host = host_memory_available()
+    fits = host is not None and 2 * activation_bytes <= 0.8 * host
+    if device.type == "cuda" and not fits:
+        print(f"  offload_saved everywhere and TRL activation offloading left out: twice every layer's activations "
+              f"({2 * activation_bytes / P.GiB:.1f} GiB) is more than 80% of the host memory available "
+              f"({(host or 0) / P.GiB:.1f} GiB)")
+    if device.type == "cuda" and fits:   # TRL's offloading and pinned host copies need an accelerator
+        from .combined import trl_activation_offloading
+
+        peers = [_offload_saved_everywhere(layers),
+                 Variant("TRL activation offloading", toggles={"checkpointing": "none", "trl_offload": True},
+                         inputs=_inputs, context=trl_activation_offloading,
+                         note="TRL 1.16's get_act_offloading_ctx_manager around the step (SFTConfig("
+                              "activation_offloading=True)): saved activations to pinned host memory on a side "
+                              "stream, no checkpointing")]
+    return peers + [Variant("offload x2 + prefetch everywhere (README recipe)",
                     enable=lambda m: toggles.apply(m, offload_buffers=2, prefetch=True),
                     disable=lambda m: toggles.apply(m, offload_buffers="off"), inputs=_inputs,
                     toggles={"offload_buffers": 2, "prefetch": True}),
@@ -197,7 +230,9 @@ class BudgetScenario(Scenario):
                 if plan.choices not in seen:
                     seen.add(plan.choices)
                     plans.append(plan)
-            variants = with_autocast([*(_plan_variant(p, costs) for p in plans), *_references()], opts.autocast)
+            variants = with_autocast([*(_plan_variant(p, costs) for p in plans),
+                                      *_references(device, len(planner.kinds), sum(c.held["keep"] for c in full))],
+                                     opts.autocast)
             rows = run_variants(model, batches, variants, steps=opts.steps, warmup=opts.warmup,
                                 progress=progress, label=f"budget {tokens}")
             config = {"model": opts.preset, "num_layers": opts.num_layers or model.config.num_hidden_layers,

@@ -102,6 +102,13 @@ def uncompile_layers(model: nn.Module) -> None:
         layer._compiled_call_impl = None
 
 
+def trl_activation_offloading(model: nn.Module):
+    """The context TRL 1.16 wraps each step in for ``SFTConfig(activation_offloading=True)`` (its default path)."""
+    from trl.models.activation_offloading import get_act_offloading_ctx_manager
+
+    return get_act_offloading_ctx_manager(model, warn_if_no_head=False)
+
+
 def combined_variants(model: nn.Module, *, is_moe: bool, packed: str = "varlen", which: str = "all",
                       trl: bool = True, compiled: bool = False, dequant: bool = False) -> list[Variant]:
     """The variants of the module docstring (``which="core"``: default, all naive, all fast only; ``trl``: TRL's
@@ -159,15 +166,10 @@ def combined_variants(model: nn.Module, *, is_moe: bool, packed: str = "varlen",
         out.append(v("transformers, eager experts", "stock attention and checkpointing, transformers' eager "
                      "per-expert loop (experts_implementation='eager')", stock_inputs, moe="eager"))
 
-    def trl_ctx(m):
-        from trl.models.activation_offloading import get_act_offloading_ctx_manager
-
-        return get_act_offloading_ctx_manager(m, warn_if_no_head=False)
-
     if trl:
         out.append(v("TRL activation offloading", "the default path inside TRL 1.16's get_act_offloading_ctx_manager "
                      "(SFTConfig(activation_offloading=True)): saved activations to pinned CPU memory on a side "
-                     "stream", stock_inputs, context=trl_ctx))
+                     "stream", stock_inputs, context=trl_activation_offloading))
     out.append(naive)
     out.append(v("packed (cached metadata)", f"waterfall step 1: packed attention ({packed}), metadata once per "
                  "batch; stock experts, standard checkpointing", meta_inputs, packed=packed))
