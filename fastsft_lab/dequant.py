@@ -12,7 +12,8 @@ The fused path (``apply(model, fused_dequant=True)``) changes two things, and no
 * **one kernel** (:func:`dequantize_nf4`, Triton, CUDA): absmax codes, offset and 4-bit codes read once, the
   weight written once. The same float32 arithmetic in the same order (``code2[q] * absmax2 + offset``, no fused
   multiply-add, then ``code[c] * absmax``, rounded to the output dtype once), so the weight equals bitsandbytes'
-  bit for bit. Without Triton or off CUDA it is bitsandbytes' own dequantisation.
+  bit for bit. Without Triton or off CUDA it is bitsandbytes' own dequantisation (and where Triton cannot build the
+  kernel: one warning, then bitsandbytes' dequantisation).
 * **no third dequantisation under checkpointing** (:class:`NF4Matmul`): when the forward runs as a checkpoint's
   recompute -- inside the backward, right before this layer's own backward -- the dequantised weight is saved for
   that backward instead of being made again. It lives from the layer's recompute to its backward: at most one
@@ -32,6 +33,8 @@ bitsandbytes' own forward.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -112,9 +115,23 @@ def dequantize_nf4(codes: torch.Tensor, quant_state, dtype: torch.dtype, *, kern
     Triton kernel on CUDA (``kernel`` overrides which: tests pass Triton's interpreter to run it on a CPU),
     bitsandbytes' own dequantisation elsewhere."""
     if kernel is None:
-        if not _use_kernel(codes):
+        if not _use_kernel(codes) or _BROKEN:
             return bitsandbytes_dequantize(codes, quant_state, dtype)
-        kernel = nf4_kernel()
+        try:
+            return _launch(nf4_kernel(), codes, quant_state, dtype)
+        except Exception as err:         # a Triton that cannot build it (compile errors are raised at launch)
+            _BROKEN.append(f"{type(err).__name__}: {err}".splitlines()[0])
+            warnings.warn(f"fused_dequant: the Triton NF4 kernel did not build ({_BROKEN[0]}); bitsandbytes' "
+                          "dequantisation from here on (the same numbers, the fused path's speed lost)",
+                          RuntimeWarning, stacklevel=2)
+            return bitsandbytes_dequantize(codes, quant_state, dtype)
+    return _launch(kernel, codes, quant_state, dtype)
+
+
+_BROKEN: list[str] = []          # why the kernel could not be built, once it could not
+
+
+def _launch(kernel, codes: torch.Tensor, quant_state, dtype: torch.dtype) -> torch.Tensor:
     qs = quant_state
     numel = qs.shape.numel() if isinstance(qs.shape, torch.Size) else int(torch.Size(qs.shape).numel())
     flat = codes.view(torch.uint8).reshape(-1)

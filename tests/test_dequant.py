@@ -269,3 +269,25 @@ def test_composes_with_fused_lora_to_the_bit(one_cpu_thread):
     loss, got = _step(model, batch)
     assert torch.equal(loss, ref_loss) and all(torch.equal(got[n], ref[n]) for n in ref)
     fastsft_lab.revert(model)
+
+
+def test_a_kernel_that_does_not_build_falls_back_to_bitsandbytes_with_one_warning(monkeypatch):
+    _, codes, qs = _quantized((64, 128), True)
+
+    class Unbuildable:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("CompilationError: at 1:2: no such op\nmore lines")
+            return launch
+
+    monkeypatch.setattr(dequant, "_use_kernel", lambda c: True)
+    monkeypatch.setattr(dequant, "nf4_kernel", lambda: Unbuildable())
+    monkeypatch.setattr(dequant, "_BROKEN", [])
+    with pytest.warns(RuntimeWarning, match="did not build .RuntimeError: CompilationError: at 1:2: no such op.;"):
+        got = dequant.dequantize_nf4(codes, qs, torch.float32)
+    assert torch.equal(got, dequant.bitsandbytes_dequantize(codes, qs, torch.float32))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                 # once: later calls go to bitsandbytes quietly
+        assert torch.equal(dequant.dequantize_nf4(codes, qs, torch.float32), got)
