@@ -43,7 +43,8 @@ class BudgetOptions:
     row_tokens: int = option(8192, kind="int", help="tokens per packed row")
     points: int = option(5, kind="int", help="budgets per frontier, from the smallest plan to keeping everything "
                                              "(or 90% of the free GPU memory)")
-    budgets: list = option([], kind="strs", help="budgets in GiB instead of the even spread (e.g. 40,60,80)")
+    budgets: list = option([], kind="strs", help="budgets in GiB instead of the even spread (e.g. 40,60,80); the "
+                           "spread includes the preset's target budget (TARGETS_GIB) where it falls inside")
     fused_dequant: bool = option(False, kind="bool", help="the floor also dequantises NF4 in one kernel "
                                  "(fastsft_lab.dequant; quant=nf4 only)")
     steps: int = option(5, kind="int", help="measured steps per variant")
@@ -57,6 +58,10 @@ class BudgetOptions:
                        row_tokens=256, points=4, steps=3, warmup=1)
         return cls()
 
+
+TARGETS_GIB = {"qwen3-14b": 80, "gpt-oss-20b": 64}
+"""The issue's target budgets (an 80 GB card for Qwen3-14B x40; 64 GiB for GPT-OSS-20B x24): added to the even
+spread wherever they fall inside it."""
 
 USABLE = 0.9
 """The share of a GPU's free memory the frontier goes up to (what ``apply(memory_budget="90%")`` gives)."""
@@ -220,6 +225,9 @@ class BudgetScenario(Scenario):
             toggles.apply(model, memory_budget="off")
             budgets = ([int(float(b) * P.GiB) for b in opts.budgets] if opts.budgets
                        else budgets_between(base, top, opts.points))
+            target = TARGETS_GIB.get(opts.preset)
+            if not opts.budgets and target is not None and base <= target * P.GiB <= top:
+                budgets = sorted({*budgets, target * P.GiB})
             plans, seen = [], set()
             for b in budgets:
                 try:
