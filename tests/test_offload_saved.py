@@ -176,20 +176,24 @@ def test_the_solver_picks_it_where_the_link_hides_the_copies_and_not_where_it_do
     assert "offload_saved" not in P.solve(fast_link, base - 100 + 999, base, staging=100, saved_extra=1000).choices
 
 
+def _measured_planner(model, **seconds):
+    """The model's planner after its measuring step, with the layer kind's times for ``seconds``' choices replaced."""
+    fastsft_lab.apply(model, memory_budget=16)
+    _step(model, _inputs())
+    planner = P.memory_planner(model)
+    kind = next(iter(planner.costs))
+    c = planner.costs[kind]
+    planner.costs[kind] = P.LayerCost(c.kind, c.tokens, {**c.seconds, **seconds}, c.held, c.unsaved, c.readings)
+    return planner, c.tokens
+
+
 def test_a_host_that_could_not_hold_the_activations_gets_no_offload_saved(monkeypatch):
     model = _model()
-    inputs = _inputs()
-    fastsft_lab.apply(model, memory_budget=16)
     try:
-        _step(model, inputs)
-        planner = P.memory_planner(model)
-        kind = next(iter(planner.costs))
-        fast = planner.costs[kind]
-        planner.costs[kind] = P.LayerCost(fast.kind, fast.tokens, {**fast.seconds, "offload_saved": 0.0},
-                                          fast.held, fast.unsaved, fast.readings)
-        assert set(planner.solve(fast.tokens).choices) == {"offload_saved"}      # free and fastest: taken
+        planner, tokens = _measured_planner(model, offload_saved=0.0)
+        assert set(planner.solve(tokens).choices) == {"offload_saved"}      # free and fastest: taken
         monkeypatch.setattr(P, "host_memory_available", lambda: 1 << 10)
-        assert "offload_saved" not in planner.solve(fast.tokens).choices
+        assert "offload_saved" not in planner.solve(tokens).choices
     finally:
         fastsft_lab.revert(model)
 
@@ -228,18 +232,11 @@ def test_cuda_offload_saved_equals_plain_training_and_holds_less():
 
 def test_a_gpu_that_shares_the_host_memory_gets_no_offloading():
     model = _model()
-    inputs = _inputs()
-    fastsft_lab.apply(model, memory_budget=16)
     try:
-        _step(model, inputs)
-        planner = P.memory_planner(model)
-        kind = next(iter(planner.costs))
-        c = planner.costs[kind]
-        free = {**c.seconds, "offload": 0.0, "offload_saved": 0.0}       # the fastest, were memory separate
-        planner.costs[kind] = P.LayerCost(c.kind, c.tokens, free, c.held, c.unsaved, c.readings)
-        assert set(planner.solve(c.tokens).choices) <= {"offload", "offload_saved"}
+        planner, tokens = _measured_planner(model, offload=0.0, offload_saved=0.0)   # fastest, were memory separate
+        assert set(planner.solve(tokens).choices) <= {"offload", "offload_saved"}
         planner.unified = True
-        plan = planner.plan = planner.solve(c.tokens)
+        plan = planner.plan = planner.solve(tokens)
         assert not set(plan.choices) & {"offload", "offload_saved"}, plan
         assert "unified memory: no offloading" in fastsft_lab.state(model).memory_plan
     finally:
