@@ -27,8 +27,9 @@ equal to this one to the compute dtype's rounding. The backward is bitsandbytes'
 (the saved weight is reused only when the compute dtype is the weight's own, where bitsandbytes' two
 dequantisations give the same tensor).
 
-Scope: NF4 (``quant_type="nf4"``), plain or double-quantised with bitsandbytes' absmax blocks of 256. Refused in one
-line: FP4 weights, a model with no ``Linear4bit``. A call without gradients (evaluation, generation) runs
+Scope: NF4 (``quant_type="nf4"``), plain or double-quantised with bitsandbytes' absmax blocks of 256; PEFT, DDP and
+``torch.compile`` (where bitsandbytes' ops stand in for the kernel). Refused in one line: FP4 weights, a model with no
+``Linear4bit``, FSDP2. A call without gradients (evaluation, generation) runs
 bitsandbytes' own forward.
 """
 
@@ -40,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._compat import bnb_fix_quant_state, has_triton, in_backward
+from ._compat import bnb_fix_quant_state, has_triton, in_backward, is_fsdp2
 from ._util import override_forward, overridden, restore_forwards
 from .model_state import register_state_reader, state
 
@@ -226,9 +227,12 @@ def _linear4bit_class():
 
 
 def fused_dequant_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The bitsandbytes ``Linear4bit`` layers of ``model`` (checked: FP4 weights raise)."""
+    """The bitsandbytes ``Linear4bit`` layers of ``model`` (checked: FP4 weights and FSDP2 raise)."""
     cls = _linear4bit_class()
     found = [(n, m) for n, m in model.named_modules() if cls is not None and isinstance(m, cls)]
+    if found and any(is_fsdp2(m) for m in model.modules()):
+        raise NotImplementedError("fused_dequant under FSDP2 is not supported (not tested with sharded NF4 "
+                                  "weights): leave it off, bitsandbytes' own dequantisation runs")
     for n, m in found:
         quant_type = getattr(getattr(m.weight, "quant_state", None), "quant_type", None) or getattr(m.weight,
                                                                                                     "quant_type", None)

@@ -198,6 +198,15 @@ def test_refusals_in_one_line():
     assert fastsft_lab.state(model) == fastsft_lab.ModelState()          # validated before anything changed
 
 
+def test_fsdp2_is_refused_in_one_line_before_anything_changes(monkeypatch):
+    model = _qlora(False)
+    monkeypatch.setattr(dequant, "is_fsdp2", lambda m: True)      # fully_shard needs a process group
+    with pytest.raises(NotImplementedError, match="fused_dequant under FSDP2 is not supported") as err:
+        fastsft_lab.apply(model, fused_loss=True, fused_dequant=True)
+    assert "\n" not in str(err.value)
+    assert fastsft_lab.state(model) == fastsft_lab.ModelState()
+
+
 def test_no_gradient_runs_bitsandbytes_own_forward(monkeypatch):
     model = _qlora(False)
     fastsft_lab.apply(model, fused_dequant=True)
