@@ -27,9 +27,9 @@ equal to this one to the compute dtype's rounding. The backward is bitsandbytes'
 (the saved weight is reused only when the compute dtype is the weight's own, where bitsandbytes' two
 dequantisations give the same tensor).
 
-Scope: NF4 (``quant_type="nf4"``), plain or double-quantised with bitsandbytes' absmax blocks of 256; PEFT, DDP and
-``torch.compile`` (where bitsandbytes' ops stand in for the kernel). Refused in one line: FP4 weights, a model with no
-``Linear4bit``, FSDP2. A call without gradients (evaluation, generation) runs
+Scope: NF4 (``quant_type="nf4"``), plain or double-quantised with bitsandbytes' absmax blocks of 256; under PEFT and
+``torch.compile`` (tested; while compiling, bitsandbytes' ops stand in for the kernel). Refused in one line: FP4
+weights, a model with no ``Linear4bit``, FSDP2. A call without gradients (evaluation, generation) runs
 bitsandbytes' own forward.
 """
 
