@@ -613,5 +613,5 @@ def _bench(device, cfg, out_dir, steps, warmup, progress, sweep, sweep_only, hos
 
 
 __all__ = ["OffloadScenario", "OffloadOptions", "VARIANT_KEYS", "make_variants", "SerialForwardCopies",
-           "measure_bandwidth", "host_memory_available", "estimate_host_bytes", "trace_step", "vram_saved_estimate",
+           "measure_bandwidth", "estimate_host_bytes", "trace_step", "vram_saved_estimate",
            "derived", "gain", "results_table"]
