@@ -202,6 +202,8 @@ def fused_dequant_forward(self, x: torch.Tensor) -> torch.Tensor:
     bias = self.bias
     if not torch.is_grad_enabled() or not (x.requires_grad or (bias is not None and bias.requires_grad)):
         return self.__dict__[_ORIGINAL](x)
+    if _KEPT and not in_backward():
+        _KEPT.clear()          # left by a backward that did not finish (an exception): a weight each, let go
     bnb_fix_quant_state()(self)
     quant_state = self.weight.quant_state
     if not self.compute_type_is_set:

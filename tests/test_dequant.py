@@ -300,3 +300,13 @@ def test_a_kernel_that_does_not_build_falls_back_to_bitsandbytes_with_one_warnin
     with warnings.catch_warnings():
         warnings.simplefilter("error")                 # once: later calls go to bitsandbytes quietly
         assert torch.equal(dequant.dequantize_nf4(codes, qs, torch.float32), got)
+
+
+def test_weights_left_by_an_unfinished_backward_are_let_go_at_the_next_forward(monkeypatch):
+    model = _qlora(True)
+    batch = benchmark_batches(tokens_per_step=64, steps=1, vocab_size=model.config.vocab_size, mix="short")[0]
+    fastsft_lab.apply(model, fused_dequant=True)
+    monkeypatch.setitem(dequant._KEPT, 1, (torch.zeros(1), torch.zeros(8)))     # as an exception would leave it
+    model(**batch.model_inputs()).loss.backward()
+    assert dequant.kept_weights() == 0
+    fastsft_lab.revert(model)
