@@ -310,3 +310,21 @@ def test_weights_left_by_an_unfinished_backward_are_let_go_at_the_next_forward(m
     model(**batch.model_inputs()).loss.backward()
     assert dequant.kept_weights() == 0
     fastsft_lab.revert(model)
+
+
+def test_under_torch_compile_it_equals_bitsandbytes(one_cpu_thread):
+    # dynamo traces the layer's Function (bitsandbytes' ops stand in for the Triton launch while compiling)
+    model = _qlora(True)
+    batch = benchmark_batches(tokens_per_step=64, steps=1, vocab_size=model.config.vocab_size, mix="short")[0]
+    ref_loss, ref = _step(model, batch)
+    fastsft_lab.apply(model, fused_dequant=True)
+    compiled = torch.compile(model, backend="aot_eager")
+    try:
+        loss, got = _step(compiled, batch)
+    finally:
+        torch.compiler.reset()
+        fastsft_lab.revert(model)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)         # float32: a reordered sum at most
+    for n, g in ref.items():
+        torch.testing.assert_close(got[n.removeprefix("_orig_mod.")] if n in got else got["_orig_mod." + n], g,
+                                   rtol=1e-5, atol=1e-7, msg=n)
