@@ -457,6 +457,8 @@ def host_device_timeline(fn: Callable[[], object], device: torch.device | str, *
             return True
         if device.type == "cpu" and evt.name == "aten::_grouped_mm":
             return False  # the CPU kernel reads its offsets from host memory; the CUDA kernel reads them on device
+        if device.type == "cpu" and evt.name == "aten::_assert_async":
+            return False  # the CPU kernel reads the flag on the host; the CUDA kernel asserts on the device
         return any(waits(c) for c in evt.cpu_children)
 
     host = [e for e in events if e.cpu_parent is None and e.device_type == torch.autograd.DeviceType.CPU

@@ -199,3 +199,47 @@ def test_profile_summary_counts_each_kernel_once_and_keeps_the_queue_wait_apart(
     host_only = [E(key="aten::mm", count=1, device_type="DeviceType.CPU", self_cpu_time_total=3000.0,
                    self_device_time_total=0.0)]
     assert summarize_events(host_only, cuda=True)[0] == top_cpu
+
+
+def test_timeline_marks_the_waits_a_gpu_would_pay_and_no_others():
+    """The timeline's red marks agree with the sync counter: a read-back is a wait, a device-side assert and a
+    grouped matmul are not (on CUDA neither touches the host), and each waiting host op is marked once."""
+    from fastsft_lab import _compat
+    from fastsft_lab.profiling import host_device_timeline
+
+    def reads_back():
+        return x.sum().item() + int(x.max())
+
+    def device_side():
+        _compat.assert_async((x >= 0).all(), "non-negative")
+        return x * 2
+
+    tl = host_device_timeline(reads_back, "cpu")
+    assert tl["host_syncs"] == 2 and tl["gpu"] == []
+    assert all(end >= start >= 0 for _, start, end, _ in tl["host"])
+    assert host_device_timeline(device_side, "cpu")["host_syncs"] == 0
+    assert count_syncs(device_side, device="cpu") == 0 and count_syncs(reads_back, device="cpu") == 2
+
+
+def test_timeline_of_a_packed_forward_matches_the_sync_counter():
+    """One forward of the tiny Qwen3, naive and cached packed metadata (notebook 01's timeline): the cached path
+    waits nowhere, the naive one in every layer, as :class:`SyncCounter` counts."""
+    import fastsft_lab
+    from fastsft_lab.data import benchmark_batches
+    from fastsft_lab.packing import packed_inputs
+    from fastsft_lab.profiling import host_device_timeline
+
+    model = build_model("tiny-qwen3", device="cpu", dtype=torch.float32).eval()
+    batch = benchmark_batches(tokens_per_step=256, steps=1, vocab_size=model.config.vocab_size, mix="short")[0]
+    layers = model.config.num_hidden_layers
+    waits = {}
+    for cache in (False, True):
+        fastsft_lab.apply(model, packed_attention="sdpa", packed_metadata_cache=cache)
+        kwargs = packed_inputs(batch) if cache else batch.model_inputs()
+        with torch.no_grad():
+            waits[cache] = host_device_timeline(lambda: model(**kwargs), "cpu")["host_syncs"]
+            with SyncCounter.for_decoder_layers(model, device="cpu") as counter:
+                model(**kwargs)
+        fastsft_lab.apply(model, packed_attention="off")
+        assert (waits[cache] == 0) == (counter.total == 0)
+    assert waits[True] == 0 and waits[False] >= layers
