@@ -53,6 +53,18 @@ def test_the_readme_is_a_front_page():
         assert (README.parent / link).exists(), link
 
 
+def test_the_readme_counts_the_mutations_there_are(monkeypatch):
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("mutations", README.parent / "tests" / "mutations.py")
+    mutations = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "mutations", mutations)   # its dataclasses look their module up there
+    spec.loader.exec_module(mutations)
+    stated = re.search(r"`make mutants` applies (\d+) named bugs", README.read_text())
+    assert stated and int(stated.group(1)) == len(mutations.MUTATIONS)
+
+
 def test_the_readme_has_its_code():
     assert len(python_blocks()) == 2
 
