@@ -364,6 +364,38 @@ def test_a_larger_batch_replans_for_its_tokens():
         fastsft_lab.revert(model)
 
 
+def test_the_allocator_ceiling_is_reachable_memory_less_step_ones_slack():
+    gib = P.GiB
+    assert P.allocator_ceiling(free=2 * gib, reserved=10 * gib, peak_reserved=12 * gib, peak_allocated=9 * gib) \
+        == 9 * gib
+    # no slack measured (every reserved byte allocated at the peak): everything reachable
+    assert P.allocator_ceiling(free=gib, reserved=3 * gib, peak_reserved=3 * gib, peak_allocated=3 * gib) == 4 * gib
+
+
+def test_a_budget_above_the_ceiling_is_solved_under_the_ceiling_and_says_so():
+    """CUDA reads the ceiling at step 2 (the memory this process can reach less the allocator's slack of step 1);
+    a budget above it -- "100%" of the free memory -- must not be planned to the last byte: on the H200 such a plan
+    ran out of memory with 3.2 GiB reserved but unallocated. Here the ceiling is set as CUDA would set it."""
+    model = _model("tiny-qwen3")
+    fastsft_lab.apply(model, memory_budget=16)
+    try:
+        inputs = _batch()
+        _step(model, inputs)
+        planner = P.memory_planner(model)
+        unbounded = planner.solve(planner.tokens)
+        assert set(unbounded.choices) == {"keep"}           # 16 GiB keeps every layer of the tiny model
+        planner.ceiling = unbounded.peak - 1                  # one byte short of keeping everything
+        _step(model, inputs)
+        plan = planner.plan
+        assert plan.budget == planner.ceiling and plan.peak <= planner.ceiling and "keep" in plan.choices
+        assert set(plan.choices) != {"keep"}
+        assert "solved under" in planner.describe()
+        planner.ceiling = 64 * P.GiB                          # above the budget: the budget binds, nothing said
+        assert planner.solve(planner.tokens).budget == planner.budget and "solved under" not in planner.describe()
+    finally:
+        fastsft_lab.revert(model)
+
+
 def test_solver_is_fast_at_full_depth():
     # 40 layers of one kind and 24 of two alternating kinds: the front stays small (the plan is solved inside a step)
     import time

@@ -36,9 +36,12 @@ On a GPU that shares the host's memory (GB10, Jetson) the plan offloads nothing:
 still a byte of the same memory (the allocator's counters would not see it).
 
 What the prediction leaves out: the optimizer's state when step 1 ran before the first ``optimizer.step()`` (it
-adds ``optimizer_bytes_per_param`` bytes, 8 = Adam in float32, per trainable parameter), and allocator
-fragmentation (keep a margin in the budget). On a CPU the peak of step 1 is not measured: the model's own bytes
-and the largest layer's activations stand for it.
+adds ``optimizer_bytes_per_param`` bytes, 8 = Adam in float32, per trainable parameter), and the allocator's own
+slack (memory reserved but not allocated: block rounding and fragmentation). For that, on CUDA the plan never
+spends more than the memory this process can reach at step 2 (its reserve plus the device's free memory) less step
+1's slack (:func:`allocator_ceiling`): a budget near the device's size (``"100%"``) is solved under that ceiling, and
+``state(model)`` says so. On a CPU the peak of step 1 is not measured: the model's own bytes and the largest layer's
+activations stand for it.
 """
 
 from __future__ import annotations
@@ -375,6 +378,13 @@ def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 
 
 
 # -- on a live model -------------------------------------------------------------------------------------------------
+def allocator_ceiling(*, free: int, reserved: int, peak_reserved: int, peak_allocated: int) -> int:
+    """The most bytes a step's tensors can be allocated on a CUDA device: what this process has reserved plus what
+    the device has free, less the caching allocator's slack as step 1 measured it (reserved but unallocated at its
+    peak: block rounding and fragmentation, which the same layers at the same sizes pay again)."""
+    return free + reserved - max(0, peak_reserved - peak_allocated)
+
+
 def parse_budget(value, total: int | None, free: int | None) -> int:
     """``memory_budget`` in bytes: a number of GiB (``80``) or a share of the device's free memory (``"90%"``)."""
     forms = "a size in GiB (e.g. 80) or a share of the device's free memory (e.g. '90%')"
@@ -442,6 +452,7 @@ class MemoryPlanner:
     fixed_cpu: int = 0         # the model's own bytes (the CPU's stand-in for a measured peak)
     saved: SavedOffload | None = None     # the offload_saved layers' activations (None: that choice is off)
     unified: bool = False      # the GPU shares the host's memory (GB10, Jetson): offloading frees nothing there
+    ceiling: int | None = None # CUDA: the most a step can allocate (:func:`allocator_ceiling`, read at step 2)
 
     def layer_func(self, index: int) -> Callable:
         return _PlannedLayer(self, index)
@@ -519,9 +530,13 @@ class MemoryPlanner:
             if trainable and all(p.grad is None for p in trainable):
                 self.allowance = self.optimizer_bytes_per_param * sum(p.numel() for p in trainable)
             return
-        if self.steps == 2 and self.device.type == "cuda" and self.peak is None:
-            # no backward seen by the hook: everything since step 1's measurement
-            self.peak = torch.cuda.max_memory_allocated(self.device)
+        if self.steps == 2 and self.device.type == "cuda":
+            if self.peak is None:   # no backward seen by the hook: everything since step 1's measurement
+                self.peak = torch.cuda.max_memory_allocated(self.device)
+            free, _ = torch.cuda.mem_get_info(self.device)
+            self.ceiling = allocator_ceiling(free=free, reserved=torch.cuda.memory_reserved(self.device),
+                                             peak_reserved=torch.cuda.max_memory_reserved(self.device),
+                                             peak_allocated=torch.cuda.max_memory_allocated(self.device))
         target = max(tokens, self.max_tokens or 0)
         if self.plan is None or target > self.plan.tokens:
             self.plan = self.solve(target)
@@ -571,7 +586,9 @@ class MemoryPlanner:
             choices = tuple(c for c in CHOICES if c != "offload_saved")
         if self.unified:     # "host" memory is the GPU's own: an offloaded byte is still a used byte
             choices = tuple(c for c in choices if c not in ("offload", "offload_saved"))
-        return solve(costs, self.budget if budget is None else budget, self.base(tokens),
+        if budget is None:
+            budget = self.budget if self.ceiling is None else min(self.budget, self.ceiling)
+        return solve(costs, budget, self.base(tokens),
                      staging=int(math.ceil(self.staging * tokens / self.tokens)),
                      saved_extra=self._saved_extra(worst), choices=choices)
 
@@ -587,7 +604,11 @@ class MemoryPlanner:
         if self.plan is None:
             return f"budget {_size(self.budget)}: measuring (every layer offloaded until step 2)"
         unified = " (unified memory: no offloading, it would free nothing)" if self.unified else ""
-        return f"budget {_size(self.budget)}: {self.plan.describe()}{unified}" + self.why()
+        capped = ""
+        if self.ceiling is not None and self.ceiling < self.budget and not self.plan.by_hand:
+            capped = (f" (solved under {_size(self.ceiling)}: the memory this process can reach less the "
+                      f"allocator's slack at step 1)")
+        return f"budget {_size(self.budget)}{capped}: {self.plan.describe()}{unified}" + self.why()
 
     def why(self) -> str:
         """What each choice costs one layer of each kind at the plan's tokens, as measured: the reasons for the plan
@@ -726,5 +747,6 @@ def _read_state(model: nn.Module) -> dict:
 register_state_reader("memory_plan", _read_state)
 
 __all__ = ["CHOICES", "saved_ops", "SAVED_OPS", "LayerCost", "Plan", "BudgetError", "MemoryPlanner", "measure_layer", "solve",
-           "selective_checkpoint", "full_checkpoint", "parse_budget", "enable_memory_plan", "disable_memory_plan",
+           "selective_checkpoint", "full_checkpoint", "parse_budget", "allocator_ceiling",
+           "enable_memory_plan", "disable_memory_plan",
            "memory_planner", "set_plan", "layer_kinds"]
