@@ -184,7 +184,7 @@ class NF4Matmul(torch.autograd.Function):
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0, dtype=ctx.bias_dtype)
         if ctx.needs_input_grad[0]:
             if kept is not None and kept[0] is codes:
-                w = kept[1]
+                w = kept[1].to(grad.dtype)      # a forward under autocast, its backward outside: bf16 grads
             else:
                 qs = ctx.quant_state
                 w = dequantize_nf4(codes, qs, qs.dtype, kernel=ctx.kernel).to(grad.dtype)

@@ -261,6 +261,8 @@ MUTATIONS = [
     Mutation("plan-ignores-the-allocator-ceiling", O + "plan.py",
              "budget = self.budget if self.ceiling is None else min(self.budget, self.ceiling)",
              "budget = self.budget", ("tests/test_plan.py", "-k", "ceiling")),
+    Mutation("dequant-kept-weight-not-cast-to-the-gradient", "fastsft_lab/dequant.py",
+             "w = kept[1].to(grad.dtype)", "w = kept[1]", ("tests/test_dequant.py", "-k", "autocast")),
     Mutation("saved-views-not-held", O + "saved.py", "            group.sources.append(t)\n", "",
              (TPL, "-k", "every_choice")),
     Mutation("saved-no-prefetch", O + "saved.py", "            if self.prefetch:\n                prev =",

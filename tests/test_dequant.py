@@ -135,6 +135,29 @@ def test_checkpointed_layers_dequantise_twice_not_three_times(monkeypatch, one_c
     assert count.n == 2 * projections
 
 
+@pytest.mark.parametrize("backward", ["inside", "outside"])
+def test_under_autocast_it_equals_bitsandbytes_with_the_backward_inside_or_outside(backward, one_cpu_thread):
+    """float32 weights, the forward under bf16 autocast (SFTTrainer(bf16=True)); the backward inside the autocast
+    block (the lab's harness) or after it (accelerate's and the Trainer's order): the gradients reaching the kept
+    weight are bf16 there, and the result is bitsandbytes' to the bit."""
+    batch = benchmark_batches(tokens_per_step=128, steps=1, vocab_size=256, mix="short")[0]
+    runs = []
+    for fused in (False, True):
+        model = _qlora(True)
+        fastsft_lab.apply(model, fused_dequant=fused)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch.model_inputs()).loss
+            if backward == "inside":
+                loss.backward()
+        if backward == "outside":
+            loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+        assert dequant.kept_weights() == 0
+    (ref_loss, ref), (loss, got) = runs
+    assert torch.equal(loss, ref_loss)
+    assert got.keys() == ref.keys() and all(torch.equal(got[n], ref[n]) for n in ref), "gradients differ"
+
+
 @pytest.mark.parametrize("weight_dtype,kept", [(torch.float32, 1), (torch.bfloat16, 0)], ids=["same", "bf16-weights"])
 def test_a_recompute_keeps_the_weight_only_where_it_is_bitsandbytes_backward_weight(monkeypatch, weight_dtype, kept):
     # activations in float32, weights quantised from bf16: bitsandbytes' forward dequantises to float32, its
