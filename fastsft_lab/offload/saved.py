@@ -21,9 +21,12 @@ How (``torch.autograd.graph.saved_tensors_hooks`` around one layer call, :meth:`
 Stream ordering (CUDA; the streams and every operation through :class:`~.streams.StreamOps`, logged for
 :func:`~.streams.check_stream_order` as the layer-input offload is):
 
-* activation (written by compute) -> host (D2H on copy): ``copy.wait_stream(compute)`` before the copy;
-  ``record_stream(copy)`` on the activation, which autograd may free right after packing; ``compute.wait_event
-  (stored)`` of the layer two back before a layer runs (the bound on stores in flight);
+* activation (written by compute) -> host (D2H on copy): ``copy.wait_stream(compute)`` before the copy; the
+  activation is held (autograd may drop it right after packing) until ``compute.wait_event(stored)`` -- of the layer
+  two back, before a layer runs (the bound on stores in flight), or of every layer, when the backward starts -- and
+  only then let go, on the compute stream: its memory is reused in stream order, and the allocator's counters see
+  the stores in flight (a block freed under ``record_stream`` would leave them while the copy still reads it, and
+  the host running ahead of the GPU would pile such blocks up);
 * host -> GPU tensor (H2D on copy, backward): the host copy was written by the same stream; the GPU tensor is
   allocated from the copy stream's pool (the stream that writes it first) and ``record_stream(compute)`` covers the
   backward's reads when autograd frees it;
@@ -122,7 +125,9 @@ class SavedOffload:
         self._seq = itertools.count()
         self._lock = threading.Lock()
         self._waiting: dict[int, weakref.ref] = {}        # seq -> group still on the host, for the prefetch
-        self._storing: list[int] = []                       # layer calls whose stores may still be running
+        # layer calls whose stores may still be running: (seq, [(activation key, activation)]), held until the
+        # compute stream has waited for their copies
+        self._storing: list[tuple[int, list]] = []
 
     @contextlib.contextmanager
     def layer(self, index: int, exclude: set[int]):
@@ -139,10 +144,11 @@ class SavedOffload:
                 yield group
         finally:
             changed = [t for t, (*_, version) in zip(group.sources, group.by_view) if t._version != version]
-            group.sources.clear()
+            held = [(e.key("activation"), t) for e, t in zip(group.entries, group.sources)]
+            group.sources = []
             group.by_view.clear()
             self.ops.record(("saved-stored", group.seq), "copy")
-            self._storing.append(group.seq)
+            self._storing.append((group.seq, held))
         if changed:
             raise RuntimeError(f"offload_saved: layer {index} changed a saved activation in place after autograd "
                                "saved it (plain autograd refuses that at backward); plan this layer as 'keep' or "
@@ -152,10 +158,18 @@ class SavedOffload:
         """Before a layer runs: at most two layers' stores in flight (one without the double buffer). A stored
         activation's memory is reused only once its copy is done, so copies slower than the forward would otherwise
         pile up layer after layer; the wait is the exposed store time the plan's cost model charges."""
-        while len(self._storing) >= (2 if self.prefetch else 1):
-            seq = self._storing.pop(0)
+        self._release_stores(keep=(2 if self.prefetch else 1) - 1)
+
+    def _release_stores(self, keep: int) -> None:
+        """Let go of the activations of all but the last ``keep`` layer calls' stores, once the compute stream has
+        waited for their copies (their memory then goes back to the compute stream's pool, in stream order)."""
+        while len(self._storing) > keep:
+            seq, held = self._storing.pop(0)
             self.ops.wait_event("compute", ("saved-stored", seq))
             self.ops.discard(("saved-stored", seq))
+            for key, _ in held:
+                self.ops.free("compute", key)
+            held.clear()
 
     def _forget(self, seq: int, _ref=None) -> None:
         with self._lock:
@@ -188,8 +202,6 @@ class SavedOffload:
         ops.access("compute", src, "w")              # its producer ran on the compute stream
         ops.wait_stream("copy", "compute")
         ops.copy("copy", host, t, src, entry.key("host"), "d2h_saved", group.layer, group.seq)
-        ops.record_stream(t, src, "copy")             # autograd may drop ``t`` once packed
-        ops.free("compute", src)
         self.stats.tensors += 1
         self.stats.bytes_stored += host.numel() * host.element_size()
         return entry
@@ -226,6 +238,8 @@ class SavedOffload:
             return packed
         entry: _Saved = packed
         group, ops = entry.group, self.ops
+        if self._storing:                   # the backward has begun: every store is let go
+            self._release_stores(keep=0)
         if group.state != "ready":
             if group.state == "host":
                 self._load(group)
