@@ -309,17 +309,35 @@ def _output_class(model: nn.Module):
     return mo.MoeCausalLMOutputWithPast if hasattr(model.config, "router_aux_loss_coef") else mo.CausalLMOutputWithPast
 
 
+# Config fields with which a transformers *ForCausalLM changes its logits between the LM head and the loss
+# (Gemma 2's final tanh softcapping, Granite's division, Cohere's scale), and the value that means "unchanged".
+LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logits_scaling": 1.0, "logit_scale": 1.0}
+
+
+def check_fused_loss(model: nn.Module) -> None:
+    """One line refusing a model whose loss :func:`fused_causal_lm_forward` would not compute exactly: no LM head,
+    an LM head with a bias, or logits changed after the head (:data:`LOGIT_TRANSFORMS`). Changes nothing."""
+    base = base_model(model)
+    name = type(base).__name__
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if head is None or not hasattr(base, "model") or getattr(head, "weight", None) is None:
+        raise ValueError(f"{name} is not a transformers *ForCausalLM with an LM head: the fused loss replaces its loss")
+    if getattr(head, "bias", None) is not None:
+        raise NotImplementedError(f"{name}'s LM head has a bias, which the fused loss does not take")
+    config = getattr(base, "config", None)
+    for field_name, unchanged in LOGIT_TRANSFORMS.items():
+        value = getattr(config, field_name, unchanged)
+        if value is not None and value != unchanged:
+            raise NotImplementedError(f"{name} changes its logits after the LM head ({field_name}={value}), which "
+                                      "the fused loss does not do: leave fused_loss off for this model")
+
+
 def enable_fused_loss(model: nn.Module) -> ModelState:
     """Compute the training loss with :func:`linear_cross_entropy` on this model instance (PEFT-wrapped or not)."""
     base = base_model(model)
     if _ATTR in base.__dict__:
         return state(model)
-    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    if head is None or not hasattr(base, "model") or getattr(head, "weight", None) is None:
-        raise ValueError(f"{type(base).__name__} is not a transformers *ForCausalLM with an LM head: the fused loss "
-                         "replaces its loss")
-    if getattr(head, "bias", None) is not None:
-        raise NotImplementedError(f"{type(base).__name__}'s LM head has a bias, which the fused loss does not take")
+    check_fused_loss(model)
     base.__dict__[_ATTR] = base.forward
     base.__dict__[_ATTR + "_output"] = _output_class(base)
     base.forward = MethodType(fused_causal_lm_forward, base)
@@ -343,5 +361,6 @@ def _read_state(model: nn.Module) -> dict:
 
 register_state_reader("fused_loss", _read_state)
 
-__all__ = ["linear_cross_entropy", "enable_fused_loss", "disable_fused_loss", "fused_causal_lm_forward",
+__all__ = ["check_fused_loss", "LOGIT_TRANSFORMS", "linear_cross_entropy", "enable_fused_loss", "disable_fused_loss",
+           "fused_causal_lm_forward",
            "fused_ce_available", "set_fused_ce", "load_balancing_loss_across_ranks", "set_router_loss_scope"]

@@ -237,6 +237,14 @@ def _validate_flag(name: str):
     return check
 
 
+def _validate_fused_loss(model, value, args) -> None:
+    _validate_flag("fused_loss")(model, value, args)
+    if value:
+        from .loss import check_fused_loss
+
+        check_fused_loss(model)
+
+
 def _enable_fused_loss(model, value, args) -> None:
     from .loss import enable_fused_loss
 
@@ -309,7 +317,7 @@ OPTIMIZATIONS: tuple[Optimization, ...] = (
     BUDGET,
     Optimization("max_tokens", _validate_max_tokens, _enable_max_tokens, _nothing),
     Optimization("moe_routing", _validate_moe, _enable_moe, _disable_moe, off=("off", False)),
-    Optimization("fused_loss", _validate_flag("fused_loss"), _enable_fused_loss, _disable_fused_loss, off=(False,)),
+    Optimization("fused_loss", _validate_fused_loss, _enable_fused_loss, _disable_fused_loss, off=(False,)),
     Optimization("fused_lora", _validate_fused_lora, _enable_fused_lora, _disable_fused_lora, off=(False,)),
     Optimization("fused_dequant", _validate_fused_dequant, _enable_fused_dequant, _disable_fused_dequant,
                  off=(False,)),

@@ -113,6 +113,54 @@ def test_apply_validates_everything_before_changing_anything():
         fastsft_lab.apply(torch.nn.Linear(4, 4), packed_attention="sdpa")
 
 
+def _from_config(name, **kw):
+    import transformers as T
+
+    cfg = getattr(T, name)(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=128, **kw)
+    return T.AutoModelForCausalLM.from_config(cfg)
+
+
+@pytest.mark.parametrize("config,field", [("Gemma2Config", "final_logit_softcapping"),
+                                          ("GraniteConfig", "logits_scaling"), ("CohereConfig", "logit_scale")])
+def test_fused_loss_refuses_a_model_that_changes_its_logits_after_the_head(config, field):
+    """Gemma 2 caps its logits with a tanh, Granite divides them, Cohere scales them before the loss: the fused loss
+    (h @ W.T straight into the cross-entropy) would compute another loss, silently. Refused, nothing changed."""
+    import transformers as T
+
+    kw = {"logits_scaling": 8.0} if field == "logits_scaling" else {"logit_scale": 0.0625} \
+        if field == "logit_scale" else {}
+    model = _from_config(config, **kw)
+    assert getattr(model.config, field) not in (None, 1.0)
+    with pytest.raises(NotImplementedError, match=f"changes its logits after the LM head \\({field}="):
+        fastsft_lab.apply(model, offload_buffers=2, fused_loss=True)
+    assert fastsft_lab.state(model) == fastsft_lab.ModelState()          # nothing was switched on
+    # the same family without the transform takes it, and equals the model's own loss
+    plain = _from_config(config, **{field: None if field == "final_logit_softcapping" else 1.0})
+    ids = torch.randint(0, 128, (2, 24))
+    reference = plain(input_ids=ids, labels=ids).loss
+    fastsft_lab.apply(plain, fused_loss=True)
+    # float32, one chunk: the same logits, a log-sum-exp over 128 words summed in another order (a few ulps)
+    torch.testing.assert_close(plain(input_ids=ids, labels=ids).loss, reference, rtol=8 * 2**-23, atol=0)
+    assert isinstance(plain, T.PreTrainedModel)
+
+
+def test_a_model_that_is_not_a_causal_lm_is_refused_before_anything_changes():
+    import transformers as T
+
+    cfg = T.Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, vocab_size=128, num_labels=3, pad_token_id=0)
+    for model in (T.Qwen3ForSequenceClassification(cfg), T.Qwen3Model(cfg)):
+        name = type(model).__name__
+        with pytest.raises(ValueError, match=f"{name} is not a transformers \\*ForCausalLM with an LM head"):
+            fastsft_lab.apply(model, offload_buffers=2, fused_loss=True)
+        with pytest.raises(ValueError, match=f"{name} is not a causal LM \\(no generate\\(\\)\\)"):
+            fastsft_lab.apply(model, offload_buffers=2, packed_attention="sdpa")
+        assert fastsft_lab.state(model) == fastsft_lab.ModelState()
+        inner = model.model if hasattr(model, "model") else model
+        assert not inner._forward_pre_hooks and not inner._forward_hooks
+
+
 @pytest.mark.parametrize("bad", [True, 2.0, "2", 3, 0])
 def test_offload_buffers_must_be_the_int_1_or_2(bad):
     model = build_model("tiny-qwen3", device="cpu", dtype=torch.float32)

@@ -203,6 +203,10 @@ def check_packed_model(model: nn.Module) -> None:
     except ValueError:
         raise ValueError(f"{name} has no decoder layers (model.model.layers): packed attention applies to "
                          "transformers causal LMs such as Qwen3, Llama, Mistral, GPT-OSS") from None
+    if not callable(getattr(base_model(model), "generate", None)):
+        # a head that reads one position per row (sequence classification) would mix the sequences packed there
+        raise ValueError(f"{name} is not a causal LM (no generate()): packed attention applies to transformers "
+                         "*ForCausalLM models such as Qwen3, Llama, Mistral, GPT-OSS")
     if not any(getattr(layer, "self_attn", None) is not None for layer in layers):
         raise ValueError(f"{name}'s decoder layers have no self_attn module: not a supported architecture")
 
