@@ -74,3 +74,41 @@ def test_bad_configuration_errors():
     manager = O.OffloadManager("cpu")
     with pytest.raises(ValueError, match="offloaded checkpointing was enabled for cpu"):
         manager.save(torch.empty(4, device="meta"), 0)
+
+
+@pytest.mark.parametrize("switch", [{"offload_buffers": 2}, {"memory_budget": 16}], ids=["offload", "plan"])
+@pytest.mark.parametrize("replace", ["enable", "disable"])
+def test_checkpointing_replaced_after_apply_is_reported_and_warned_once(switch, replace):
+    """transformers' Trainer calls model.gradient_checkpointing_enable() for gradient_checkpointing=True (TRL's
+    default) and overwrites every layer's function: nothing is offloaded any more. state() must say what runs, the
+    next training forward warns once, and apply() again puts the offload back."""
+    import warnings
+
+    import fastsft_lab
+
+    model = build_model("tiny-qwen3", device="cpu", dtype=torch.float32, num_layers=2, lora=LoraSettings(rank=4))
+    model.train()
+    batch = _batch().model_inputs()
+    try:
+        on = fastsft_lab.apply(model, **switch)
+        assert on.checkpointing in ("offload", "plan") and O.displaced_layers(model) == 0
+        if replace == "enable":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
+        now = fastsft_lab.state(model)
+        assert O.displaced_layers(model) == 2
+        assert now.checkpointing == ("standard" if replace == "enable" else "none")
+        assert now.offload_buffers == 0 and now.memory_plan is None
+        with pytest.warns(UserWarning, match="2 of 2 decoder layers no longer run its checkpointing"):
+            _step(model, batch)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _step(model, batch)                                   # once
+        assert fastsft_lab.apply(model, **switch).checkpointing == on.checkpointing
+        saves = O.offload_manager(model).stats.saves
+        _step(model, batch)
+        assert O.displaced_layers(model) == 0 and O.offload_manager(model).stats.saves > saves
+    finally:
+        fastsft_lab.revert(model)
+    assert model.get_base_model() not in O.switch._WATCHES          # the watch goes with the offload

@@ -34,8 +34,10 @@ from .policy import SlotPolicy
 from .pool import PinnedPool
 from .streams import StreamOps, Trace, check_stream_order
 from .switch import (CheckpointingSwitch, disable_offloaded_checkpointing, disable_standard_checkpointing,
-                     enable_offloaded_checkpointing, enable_standard_checkpointing, is_offloaded, offload_manager)
+                     displaced_layers, enable_offloaded_checkpointing, enable_standard_checkpointing, is_offloaded,
+                     offload_manager)
 
 __all__ = ["PinnedPool", "StreamOps", "Trace", "check_stream_order", "SlotPolicy", "OffloadManager", "OffloadStats",
            "offloaded_checkpoint", "enable_offloaded_checkpointing", "disable_offloaded_checkpointing", "is_offloaded",
-           "offload_manager", "CheckpointingSwitch", "enable_standard_checkpointing", "disable_standard_checkpointing"]
+           "offload_manager", "displaced_layers", "CheckpointingSwitch", "enable_standard_checkpointing",
+           "disable_standard_checkpointing"]

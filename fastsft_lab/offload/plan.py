@@ -64,7 +64,8 @@ from ..model_state import register_state_reader
 from .pool import host_memory_available
 from .saved import MIN_BYTES as SAVED_MIN_BYTES
 from .saved import SavedOffload
-from .switch import disable_offloaded_checkpointing, enable_offloaded_checkpointing, resolve_device
+from .switch import (disable_offloaded_checkpointing, displaced_layers, enable_offloaded_checkpointing,
+                     resolve_device)
 
 logger = logging.getLogger(__name__)
 
@@ -627,6 +628,8 @@ class MemoryPlanner:
 class _PlannedLayer:
     """A decoder layer's ``_gradient_checkpointing_func`` while a memory plan is on: the planner picks."""
 
+    fastsft_checkpointing = True      # marks fastsft_lab's layer functions (offload.switch.displaced_layers)
+
     def __init__(self, planner: MemoryPlanner, index: int):
         self._planner = weakref.ref(planner)
         self.index = index
@@ -739,7 +742,7 @@ def memory_planner(model: nn.Module) -> MemoryPlanner | None:
 
 def _read_state(model: nn.Module) -> dict:
     planner = memory_planner(model)
-    if planner is None:
+    if planner is None or displaced_layers(model):
         return {}
     return {"checkpointing": "plan", "memory_plan": planner.describe()}
 

@@ -4,7 +4,9 @@ Every switch returns :func:`fastsft_lab.model_state.state` of the model after th
 :class:`~.manager.OffloadManager` (and its pinned pool) survives toggles: :func:`offload_manager` returns it.
 
 Use with TRL/Trainer: leave ``gradient_checkpointing=False`` in the trainer arguments (the trainer would call
-``model.gradient_checkpointing_enable()`` and overwrite the layer functions) and switch offload on yourself.
+``model.gradient_checkpointing_enable()`` and overwrite the layer functions) and switch offload on yourself. Where
+something does overwrite them, :func:`state` reports the model's own checkpointing and the next forward warns once
+(:func:`displaced_layers`); ``apply`` again puts the offload back.
 """
 
 from __future__ import annotations
@@ -27,6 +29,50 @@ _GC_ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func")
 _MANAGERS: "weakref.WeakKeyDictionary[nn.Module, OffloadManager]" = weakref.WeakKeyDictionary()
 _ORIGINALS: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
 _STANDARD: "weakref.WeakKeyDictionary[nn.Module, CheckpointingSwitch]" = weakref.WeakKeyDictionary()
+_WATCHES: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()   # forward pre-hook handles
+_WARNED_DISPLACED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def displaced_layers(model: nn.Module) -> int:
+    """How many decoder layers no longer run fastsft_lab's checkpointing although it is on for ``model``: something
+    (``model.gradient_checkpointing_enable()``, which transformers' Trainer calls for ``gradient_checkpointing=True``;
+    ``gradient_checkpointing_disable()``) replaced their functions after ``apply``. 0 when it is off."""
+    if base_model(model) not in _ORIGINALS:
+        return 0
+    return sum(1 for layer in decoder_layers(model)
+               if not (getattr(layer, "gradient_checkpointing", False)
+                       and getattr(layer._gradient_checkpointing_func, "fastsft_checkpointing", False)))
+
+
+def _watch(model: nn.Module) -> None:
+    """A forward pre-hook that warns once when the layers' checkpointing was replaced (removed by disable)."""
+    key = base_model(model)
+    if key in _WATCHES:
+        return
+
+    @torch.compiler.disable
+    def check(module, args, kwargs):
+        if key in _WARNED_DISPLACED or not torch.is_grad_enabled():
+            return None
+        n = displaced_layers(key)
+        if n:
+            _WARNED_DISPLACED.add(key)
+            warnings.warn(f"fastsft_lab: {n} of {len(decoder_layers(key))} decoder layers no longer run its "
+                          "checkpointing (offload / memory plan): model.gradient_checkpointing_enable() or _disable() "
+                          "replaced it after apply() -- transformers' Trainer does so for gradient_checkpointing=True, "
+                          "TRL's default. Pass gradient_checkpointing=False to the trainer, or apply() again after it",
+                          stacklevel=2)
+        return None
+
+    _WATCHES[key] = key.register_forward_pre_hook(check, with_kwargs=True)
+
+
+def _unwatch(model: nn.Module) -> None:
+    key = base_model(model)
+    handle = _WATCHES.pop(key, None)
+    if handle is not None:
+        handle.remove()
+    _WARNED_DISPLACED.discard(key)
 
 
 def _snapshot(module: nn.Module) -> tuple:
@@ -121,6 +167,8 @@ def enable_offloaded_checkpointing(model: nn.Module, buffers: int = 2, prefetch:
     for i, layer in enumerate(layers):
         layer.gradient_checkpointing = True
         layer._gradient_checkpointing_func = LayerCheckpointFunc(manager, i, layer)
+    _WARNED_DISPLACED.discard(key)
+    _watch(model)
     return state(model)
 
 
@@ -131,6 +179,7 @@ def disable_offloaded_checkpointing(model: nn.Module, *, release_pool: bool = Fa
     A no-op on a model that is not enabled.
     """
     key = base_model(model)
+    _unwatch(model)
     originals = _ORIGINALS.pop(key, None)
     if originals is not None:
         for layer, saved in originals:
@@ -231,12 +280,13 @@ def disable_standard_checkpointing(model: nn.Module) -> ModelState:
 
 def _read_state(model: nn.Module) -> dict:
     manager = offload_manager(model)
-    if not is_offloaded(model) or manager is None:
-        return {}
+    if not is_offloaded(model) or manager is None or displaced_layers(model):
+        return {}          # off, or replaced since: the model's own checkpointing (model_state.checkpointing_of)
     return {"offload_buffers": manager.buffers, "prefetch": manager.prefetch, "checkpointing": "offload"}
 
 
 register_state_reader("offload", _read_state)
 
-__all__ = ["enable_offloaded_checkpointing", "disable_offloaded_checkpointing", "is_offloaded", "offload_manager",
+__all__ = ["displaced_layers", "enable_offloaded_checkpointing", "disable_offloaded_checkpointing", "is_offloaded",
+           "offload_manager",
            "CheckpointingSwitch", "enable_standard_checkpointing", "disable_standard_checkpointing"]
