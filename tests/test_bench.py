@@ -261,3 +261,42 @@ def test_offload_rows_count_the_bytes_one_step_copies(tiny):
         per_step = per_step or dict(toggle.last_stats)
         assert toggle.last_stats == per_step
     assert _fmt_copied(toggle.last_stats) == f"{2 * want / 2**20:.2f}" and _fmt_copied(None) == "-"
+
+
+def test_trl_activation_offloading_is_built_once_and_its_head_hooks_go_with_the_variant(tiny, monkeypatch):
+    """SFTTrainer builds TRL's offloading context once and enters it every step; its hooks on the LM head are never
+    removed by TRL. The variant does the same (built at the first enable, outside the timed step) and takes the
+    hooks off when it is switched off, so the variants timed after it do not run them. (TRL's context needs an
+    accelerator: a stand-in that hooks the head as TRL 1.16 does.)"""
+    import trl.models.activation_offloading as trl_offloading
+
+    from fastsft_lab.lab.scenarios.combined import trl_offloading_variant
+
+    model, batches = tiny
+    built, entered = [], []
+
+    class Context:             # TRL's: hooks on the LM head at build; one object entered every step
+        def __init__(self, model, warn_if_no_head=True):
+            head = model.get_output_embeddings()
+            head.register_forward_pre_hook(lambda *a: None)
+            head.register_forward_hook(lambda *a: None, always_call=True)
+            built.append(model)
+
+        def __enter__(self):
+            entered.append(hooks())
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(trl_offloading, "get_act_offloading_ctx_manager", Context)
+    head = model.get_output_embeddings()
+    hooks = lambda: len(head._forward_pre_hooks) + len(head._forward_hooks)      # noqa: E731
+    before = hooks()
+    inputs = lambda b, s: b.model_inputs()                                       # noqa: E731
+    seen = []
+    variants = [Variant("plain", inputs=inputs), trl_offloading_variant("TRL activation offloading", "", inputs),
+                Variant("spy", inputs=inputs, enable=lambda m: seen.append(hooks()))]
+    run_variants(model, batches[:1], variants, steps=3, warmup=1, progress=False)
+    # built once, entered in every step it ran (1 warm-up + 3 timed, and the harness's check at equal weights)
+    assert len(built) == 1 and len(entered) >= 4 and set(entered) == {before + 2}   # with its hooks each time
+    assert hooks() == before and len(seen) >= 4 and set(seen) == {before}    # the next variant ran without them

@@ -148,14 +148,14 @@ def _references(device: torch.device, layers: int, activation_bytes: int) -> lis
               f"({2 * activation_bytes / P.GiB:.1f} GiB) is more than 80% of the host memory available "
               f"({(host or 0) / P.GiB:.1f} GiB)")
     if device.type == "cuda" and fits:   # TRL's offloading and pinned host copies need an accelerator
-        from .combined import trl_activation_offloading
+        from .combined import trl_offloading_variant
 
         peers = [_offload_saved_everywhere(layers),
-                 Variant("TRL activation offloading", toggles={"checkpointing": "none", "trl_offload": True},
-                         inputs=_inputs, context=trl_activation_offloading,
-                         note="TRL 1.16's get_act_offloading_ctx_manager around the step (SFTConfig("
-                              "activation_offloading=True)): saved activations to pinned host memory on a side "
-                              "stream, no checkpointing")]
+                 trl_offloading_variant("TRL activation offloading", "TRL 1.16's get_act_offloading_ctx_manager "
+                                        "around the step (SFTConfig(activation_offloading=True)): saved activations "
+                                        "to pinned host memory on a side stream, no checkpointing; built once, "
+                                        "entered every step", _inputs,
+                                        toggles={"checkpointing": "none", "trl_offload": True})]
     return peers + [Variant("offload x2 + prefetch everywhere (README recipe)",
                     enable=lambda m: toggles.apply(m, offload_buffers=2, prefetch=True),
                     disable=lambda m: toggles.apply(m, offload_buffers="off"), inputs=_inputs,

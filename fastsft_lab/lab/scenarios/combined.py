@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 
 import torch
 from torch import nn
@@ -102,11 +103,71 @@ def uncompile_layers(model: nn.Module) -> None:
         layer._compiled_call_impl = None
 
 
-def trl_activation_offloading(model: nn.Module):
-    """The context TRL 1.16 wraps each step in for ``SFTConfig(activation_offloading=True)`` (its default path)."""
-    from trl.models.activation_offloading import get_act_offloading_ctx_manager
+class TRLActivationOffloading:
+    """TRL 1.16's activation offloading as ``SFTTrainer`` runs it for ``SFTConfig(activation_offloading=True)``: the
+    context is built once, before the first step (:meth:`enable`, outside the timed step: it walks the parameters and
+    hooks the LM head), and entered around each step (the instance, called, gives it: a variant's ``context``). TRL
+    never removes the hooks it puts on the LM head; :meth:`disable` takes them off and :meth:`enable` puts the same
+    ones back, so the variants timed between run without them. (Its ``__enter__`` also empties the CUDA cache where
+    bitsandbytes is imported, every step, as in TRL: the variant timed next then allocates afresh.)"""
 
-    return get_act_offloading_ctx_manager(model, warn_if_no_head=False)
+    def __init__(self):
+        # model -> [context, [(module, hook, always_call: None for a pre-hook)], live hook keys or None]
+        self._built: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+
+    def enable(self, model: nn.Module) -> None:
+        from trl.models.activation_offloading import get_act_offloading_ctx_manager
+
+        entry = self._built.get(model)
+        if entry is None:
+            before = {id(m): set(m._forward_pre_hooks) | set(m._forward_hooks) for m in model.modules()}
+            context = get_act_offloading_ctx_manager(model, warn_if_no_head=False)
+            hooks, keys = [], []
+            for m in model.modules():
+                for key, hook in m._forward_pre_hooks.items():
+                    if key not in before.get(id(m), ()):
+                        hooks.append((m, hook, None))
+                        keys.append((m, key))
+                for key, hook in m._forward_hooks.items():
+                    if key not in before.get(id(m), ()):
+                        hooks.append((m, hook, key in m._forward_hooks_always_called))
+                        keys.append((m, key))
+            self._built[model] = [context, hooks, keys]
+        elif entry[2] is None:
+            entry[2] = [(m, (m.register_forward_pre_hook(h) if always is None
+                             else m.register_forward_hook(h, always_call=always)).id) for m, h, always in entry[1]]
+
+    def disable(self, model: nn.Module) -> None:
+        entry = self._built.get(model)
+        if entry is None or entry[2] is None:
+            return
+        for module, key in entry[2]:
+            for name in ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called",
+                         "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs"):
+                getattr(module, name, {}).pop(key, None)
+        entry[2] = None
+
+    def __call__(self, model: nn.Module):
+        if model not in self._built:
+            raise RuntimeError("TRL activation offloading: enable(model) builds its context before the first step")
+        return self._built[model][0]
+
+
+def trl_offloading_variant(name: str, note: str, inputs, enable=None, disable=None, toggles=None) -> Variant:
+    """A variant running TRL's activation offloading around each step, after ``enable`` and before ``disable``."""
+    trl = TRLActivationOffloading()
+
+    def on(model):
+        if enable is not None:
+            enable(model)
+        trl.enable(model)
+
+    def off(model):
+        trl.disable(model)
+        if disable is not None:
+            disable(model)
+
+    return Variant(name, dict(toggles or {}), enable=on, disable=off, inputs=inputs, note=note, context=trl)
 
 
 def combined_variants(model: nn.Module, *, is_moe: bool, packed: str = "varlen", which: str = "all",
@@ -167,9 +228,12 @@ def combined_variants(model: nn.Module, *, is_moe: bool, packed: str = "varlen",
                      "per-expert loop (experts_implementation='eager')", stock_inputs, moe="eager"))
 
     if trl:
-        out.append(v("TRL activation offloading", "the default path inside TRL 1.16's get_act_offloading_ctx_manager "
-                     "(SFTConfig(activation_offloading=True)): saved activations to pinned CPU memory on a side "
-                     "stream", stock_inputs, context=trl_activation_offloading))
+        stock_variant = v("TRL activation offloading", "", stock_inputs)
+        out.append(trl_offloading_variant(
+            "TRL activation offloading", "the default path inside TRL 1.16's get_act_offloading_ctx_manager "
+            "(SFTConfig(activation_offloading=True)): saved activations to pinned CPU memory on a side stream; its "
+            "context built once, entered every step, as SFTTrainer does", stock_inputs,
+            enable=stock_variant.enable, disable=stock_variant.disable, toggles=stock_variant.toggles))
     out.append(naive)
     out.append(v("packed (cached metadata)", f"waterfall step 1: packed attention ({packed}), metadata once per "
                  "batch; stock experts, standard checkpointing", meta_inputs, packed=packed))
