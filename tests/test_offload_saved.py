@@ -202,14 +202,35 @@ def _measured_planner(model, **seconds):
 
 
 def test_a_host_that_could_not_hold_the_activations_gets_no_offload_saved(monkeypatch):
+    from dataclasses import replace
+
     model = _model()
     try:
         planner, tokens = _measured_planner(model, offload_saved=0.0)
+        # what the layer pins: its saved activations, each block rounded up to a power of two (here as a real-width
+        # layer's would be; the tiny model's tensors are all below the size offload_saved moves)
+        kind = planner.kinds[0]
+        c = planner.costs[kind]
+        planner.costs[kind] = replace(c, readings={**c.readings, "pinned": 2 * c.held["keep"]})
+        keep_total, pinned_total = LAYERS * c.held["keep"], LAYERS * 2 * c.held["keep"]
         assert set(planner.solve(tokens).choices) == {"offload_saved"}      # free and fastest: taken
         monkeypatch.setattr(P, "host_memory_available", lambda: 1 << 10)
         assert "offload_saved" not in planner.solve(tokens).choices
+        # the check counts the pinned blocks, not the activations' bytes: room for the bytes is not enough
+        monkeypatch.setattr(P, "host_memory_available", lambda: 2 * keep_total + 2)
+        assert "offload_saved" not in planner.solve(tokens).choices
+        monkeypatch.setattr(P, "host_memory_available", lambda: 2 * pinned_total + 2)
+        assert set(planner.solve(tokens).choices) == {"offload_saved"}
     finally:
         fastsft_lab.revert(model)
+
+
+def test_pinned_blocks_are_powers_of_two():
+    from fastsft_lab.offload.saved import pinned_block
+
+    mib = 1 << 20
+    assert [pinned_block(b) for b in (0, 1, 2, 3, 80 * mib, 128 * mib, 128 * mib + 1)] == \
+        [0, 1, 2, 4, 128 * mib, 128 * mib, 256 * mib]
 
 
 @pytest.mark.cuda

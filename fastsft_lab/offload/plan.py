@@ -63,7 +63,7 @@ from .._compat import TorchDispatchMode, is_fsdp2, pytree
 from ..model_state import register_state_reader
 from .pool import host_memory_available
 from .saved import MIN_BYTES as SAVED_MIN_BYTES
-from .saved import SavedOffload
+from .saved import SavedOffload, pinned_block
 from .switch import (disable_offloaded_checkpointing, displaced_layers, enable_offloaded_checkpointing,
                      resolve_device)
 
@@ -149,8 +149,14 @@ class LayerCost:
     unsaved: frozenset = frozenset()      # saved_ops() the layer changes in place: recomputed by ``selective``
     # the two readings ``held["keep"]`` is the larger of: "saved" (what autograd's saved-tensor hooks saw) and, on
     # CUDA, "allocated" (memory_allocated after the forward, less the output): reported, so a prediction that misses
-    # says which reading it came from
+    # says which reading it came from; and "pinned", the host memory offload_saved pins for the layer (each
+    # allocation rounded up to a power of two by torch's pinned allocator)
     readings: dict = field(default_factory=dict)
+
+    @property
+    def pinned(self) -> int:
+        """Host bytes the layer's saved activations take in pinned memory (offload_saved)."""
+        return self.readings.get("pinned", self.held["keep"])
 
     def at(self, tokens: int) -> "LayerCost":
         if tokens == self.tokens:
@@ -254,6 +260,7 @@ def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Te
     readings["saved"] = sum(count.saved.values())
     small_saved = list(count.saved.values())          # what offload_saved leaves on the device: the small ones
     keep = max(readings.values())
+    readings["pinned"] = sum(pinned_block(b) for b in small_saved if b >= SAVED_MIN_BYTES)
     del out
     records = [r for p, r in count.selective.items() if p != inp.untyped_storage().data_ptr()]
     unsaved = frozenset(op for _, op, t, version in records if t._version != version)
@@ -582,7 +589,7 @@ class MemoryPlanner:
         worst = max(c.held["keep"] for c in costs)
         choices = CHOICES
         host = host_memory_available()
-        if self.saved is None or (host is not None and sum(c.held["keep"] for c in costs) > host // 2):
+        if self.saved is None or (host is not None and sum(c.pinned for c in costs) > host // 2):
             # off, or the host could not take every layer's activations with room to spare: no offload_saved
             choices = tuple(c for c in CHOICES if c != "offload_saved")
         if self.unified:     # "host" memory is the GPU's own: an offloaded byte is still a used byte

@@ -52,6 +52,12 @@ from .streams import StreamOps
 MIN_BYTES = 1 << 20          # saved tensors smaller than this stay on the device: the copy's fixed cost outweighs them
 
 
+def pinned_block(nbytes: int) -> int:
+    """Host bytes one pinned allocation of ``nbytes`` takes: torch's caching host allocator rounds every request up
+    to a power of two (``CachingHostAllocator``: ``PowerOf2Ceil``), so an 80 MiB activation pins 128 MiB."""
+    return 1 << max(int(nbytes) - 1, 0).bit_length() if nbytes > 0 else 0
+
+
 @dataclass
 class SavedOffloadStats:
     layers: int = 0             # layer calls whose activations went to the host (forward)
@@ -266,4 +272,4 @@ class SavedOffload:
         return x
 
 
-__all__ = ["MIN_BYTES", "SavedOffload", "SavedOffloadStats"]
+__all__ = ["MIN_BYTES", "SavedOffload", "SavedOffloadStats", "pinned_block"]

@@ -145,7 +145,8 @@ def _references(device: torch.device, layers: int, activation_bytes: int) -> lis
     fits = host is not None and 2 * activation_bytes <= 0.8 * host
     if device.type == "cuda" and not fits:
         print(f"  offload_saved everywhere and TRL activation offloading left out: twice every layer's activations "
-              f"({2 * activation_bytes / P.GiB:.1f} GiB) is more than 80% of the host memory available "
+              f"in pinned blocks ({2 * activation_bytes / P.GiB:.1f} GiB) is more than 80% of the host memory "
+              f"available "
               f"({(host or 0) / P.GiB:.1f} GiB)")
     if device.type == "cuda" and fits:   # TRL's offloading and pinned host copies need an accelerator
         from .combined import trl_offloading_variant
@@ -239,7 +240,7 @@ class BudgetScenario(Scenario):
                     seen.add(plan.choices)
                     plans.append(plan)
             variants = with_autocast([*(_plan_variant(p, costs) for p in plans),
-                                      *_references(device, len(planner.kinds), sum(c.held["keep"] for c in full))],
+                                      *_references(device, len(planner.kinds), sum(c.pinned for c in full))],
                                      opts.autocast)
             rows = run_variants(model, batches, variants, steps=opts.steps, warmup=opts.warmup,
                                 progress=progress, label=f"budget {tokens}")
