@@ -275,6 +275,8 @@ MUTATIONS = [
     Mutation("plan-host-check-ignores-pinned-blocks", O + "plan.py",
              "sum(c.pinned for c in costs) > host // 2", 'sum(c.held["keep"] for c in costs) > host // 2',
              ("tests/test_offload_saved.py", "-k", "host")),
+    Mutation("plan-last-layer-reload-hidden", O + "plan.py",
+             "if costs and costs[-1].first_reload and", "if False and", ("tests/test_offload_saved.py", "-k", "first")),
     Mutation("saved-views-not-held", O + "saved.py", "            group.sources.append(t)\n", "",
              (TPL, "-k", "every_choice")),
     Mutation("saved-no-prefetch", O + "saved.py", "            if self.prefetch:\n                prev =",

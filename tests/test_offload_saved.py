@@ -190,6 +190,22 @@ def test_the_solver_picks_it_where_the_link_hides_the_copies_and_not_where_it_do
     assert "offload_saved" not in P.solve(fast_link, base - 100 + 999, base, staging=100, saved_extra=1000).choices
 
 
+def test_the_layer_whose_backward_runs_first_pays_its_whole_reload():
+    """The last layer's activations come back when its backward starts: no later layer's backward hides that
+    reload, so offload_saved there costs what the other layers hide (measured as ``first_reload``)."""
+    from dataclasses import replace
+
+    base = 10_000
+    budget = base + 1000                     # room for the prefetched layer's activations, for nothing kept
+    layers = [replace(_cost(1.0, 1.0), first_reload=0.6) for _ in range(6)]
+    plan = P.solve(layers, budget, base, staging=100, saved_extra=1000)
+    # 1.6 s there, against checkpoint's 1.4 (its 100 bytes fit where no layer offloads its input: no staging)
+    assert plan.choices == ("offload_saved",) * 5 + ("checkpoint",), plan
+    cheap = [replace(c, first_reload=0.05) for c in layers]
+    assert P.solve(cheap, budget, base, staging=100, saved_extra=1000).choices == ("offload_saved",) * 6
+    assert layers[0].at(2000).first_reload == 1.2                     # scales with the tokens, as the copies do
+
+
 def _measured_planner(model, **seconds):
     """The model's planner after its measuring step, with the layer kind's times for ``seconds``' choices replaced."""
     fastsft_lab.apply(model, memory_budget=16)

@@ -152,6 +152,9 @@ class LayerCost:
     # says which reading it came from; and "pinned", the host memory offload_saved pins for the layer (each
     # allocation rounded up to a power of two by torch's pinned allocator)
     readings: dict = field(default_factory=dict)
+    # offload_saved in the layer whose backward runs first (the last layer): its reload has no later layer's backward
+    # to hide behind, so the part of it the other layers hide is paid here (seconds)
+    first_reload: float = 0.0
 
     @property
     def pinned(self) -> int:
@@ -164,7 +167,8 @@ class LayerCost:
         r = tokens / self.tokens
         return replace(self, tokens=tokens, seconds={c: s * r for c, s in self.seconds.items()},
                        held={c: int(math.ceil(b * r)) for c, b in self.held.items()},
-                       readings={k: int(math.ceil(b * r)) for k, b in self.readings.items()})
+                       readings={k: int(math.ceil(b * r)) for k, b in self.readings.items()},
+                       first_reload=self.first_reload * r)
 
 
 class _SavedBytes:
@@ -284,9 +288,10 @@ def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Te
     ratio = keep / max(in_bytes, 1)
     exposed = h2d * ratio if buffers == 1 else max(h2d * ratio - bwd, 0.0)
     seconds["offload_saved"] = seconds["keep"] + exposed + max(d2h * ratio - fwd, 0.0)
+    first_reload = h2d * ratio - exposed
     held = {"keep": keep, "selective": selective, "checkpoint": in_bytes, "offload": 0,
             "offload_saved": sum(b for b in small_saved if b < SAVED_MIN_BYTES)}
-    return LayerCost(kind, int(x.shape[:-1].numel()), seconds, held, unsaved, readings)
+    return LayerCost(kind, int(x.shape[:-1].numel()), seconds, held, unsaved, readings, first_reload)
 
 
 # -- solving the plan ------------------------------------------------------------------------------------------------
@@ -362,6 +367,10 @@ def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 
         raise BudgetError(f"memory_budget {_size(budget)} is below the smallest plan's peak "
                           f"({_size(base)}, every layer offloaded): give at least {_size(base)}")
     choices = [c for c in choices if all(c in cost.held and c in cost.seconds for cost in costs)]
+    if costs and costs[-1].first_reload and "offload_saved" in costs[-1].seconds:
+        last = costs[-1]          # its backward runs first: nothing hides its reload
+        costs = [*costs[:-1], replace(last, seconds={**last.seconds, "offload_saved": last.seconds["offload_saved"]
+                                                     + last.first_reload})]
     best: Plan | None = None
     # four cases: some layer offloads its input (the staging buffers are paid) or none does (they are not); some
     # layer offloads its saved activations (the prefetched layer's activations are paid) or none does
