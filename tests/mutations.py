@@ -277,6 +277,8 @@ MUTATIONS = [
              ("tests/test_offload_saved.py", "-k", "host")),
     Mutation("plan-last-layer-reload-hidden", O + "plan.py",
              "if costs and costs[-1].first_reload and", "if False and", ("tests/test_offload_saved.py", "-k", "first")),
+    Mutation("plan-trusts-a-noisy-keep-reading", O + "plan.py",
+             '    seconds["keep"] = min(seconds.values())\n', "", ("tests/test_plan.py", "-k", "noisy")),
     Mutation("saved-views-not-held", O + "saved.py", "            group.sources.append(t)\n", "",
              (TPL, "-k", "every_choice")),
     Mutation("saved-no-prefetch", O + "saved.py", "            if self.prefetch:\n                prev =",
