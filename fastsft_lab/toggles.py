@@ -153,13 +153,13 @@ def _validate_prefetch(model, value, args) -> None:
 # -- the checkpointing plan for a memory budget ----------------------------------------------------------------------
 def _validate_budget(model, value, args) -> None:
     from .models import model_device
-    from .offload.plan import check_not_sharded, device_memory, parse_budget
+    from .offload.plan import check_budget_floor, check_not_sharded, device_memory, parse_budget
     from .offload.switch import resolve_device
 
     buffers = args.get("offload_buffers")
     if isinstance(buffers, (str, bool)) and buffers in ("off", False):
         raise ValueError("memory_budget offloads the layers it cannot keep: offload_buffers='off' contradicts it")
-    parse_budget(value, *device_memory(resolve_device(model_device(model))))
+    check_budget_floor(model, parse_budget(value, *device_memory(resolve_device(model_device(model)))))
     check_not_sharded(model)
     _validate_max_tokens(model, args.get("max_tokens"), args)
 

@@ -687,6 +687,20 @@ def check_not_sharded(model: nn.Module) -> None:
                                   "use offload_buffers=2")
 
 
+def check_budget_floor(model: nn.Module, budget_bytes: int) -> None:
+    """One line refusing a budget below what the model holds already (CUDA: allocated on its device; elsewhere its
+    weights and buffers), before anything changes; what a step adds is checked at its first layer."""
+    from ..models import base_model, model_device
+
+    device = resolve_device(model_device(model))
+    key = base_model(model)
+    held = (torch.cuda.memory_allocated(device) if device.type == "cuda"
+            else _tensor_bytes(key.parameters()) + _tensor_bytes(key.buffers()))
+    if held > budget_bytes:
+        raise BudgetError(f"memory_budget {_size(budget_bytes)} is below what the model already holds "
+                          f"({_size(held)}): give more than {_size(held)}")
+
+
 def enable_memory_plan(model: nn.Module, budget, *, buffers: int = 2, prefetch: bool | None = None,
                        max_tokens: int | None = None, optimizer_bytes_per_param: int = 8) -> MemoryPlanner:
     """Switch a per-layer checkpointing plan for ``budget`` on (see the module docstring); returns its planner.
@@ -715,9 +729,7 @@ def enable_memory_plan(model: nn.Module, budget, *, buffers: int = 2, prefetch: 
                             max_tokens=max_tokens, optimizer_bytes_per_param=optimizer_bytes_per_param,
                             layers=[weakref.ref(layer) for layer in layers], unified=unified,
                             fixed_cpu=_tensor_bytes(key.parameters()) + _tensor_bytes(key.buffers()))
-    if device.type == "cuda" and torch.cuda.memory_allocated(device) > budget_bytes:
-        raise BudgetError(f"memory_budget {_size(budget_bytes)} is below what the model already holds "
-                          f"({torch.cuda.memory_allocated(device) / GiB:.2f} GiB)")
+    check_budget_floor(model, budget_bytes)
     manager = getattr(layers[0]._gradient_checkpointing_func, "manager", None) if layers else None
     planner.saved = SavedOffload(device, prefetch=manager.prefetch if manager is not None else buffers == 2,
                                  streams=manager.ops if manager is not None else None)
@@ -768,6 +780,6 @@ def _read_state(model: nn.Module) -> dict:
 register_state_reader("memory_plan", _read_state)
 
 __all__ = ["CHOICES", "saved_ops", "SAVED_OPS", "LayerCost", "Plan", "BudgetError", "MemoryPlanner", "measure_layer", "solve",
-           "selective_checkpoint", "full_checkpoint", "parse_budget", "allocator_ceiling",
+           "selective_checkpoint", "full_checkpoint", "parse_budget", "allocator_ceiling", "check_budget_floor",
            "enable_memory_plan", "disable_memory_plan",
            "memory_planner", "set_plan", "layer_kinds"]
