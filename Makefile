@@ -18,7 +18,7 @@ NUMERIC_TESTS = tests/test_training.py tests/test_loss.py tests/test_moe.py \
 	tests/test_packed_backends.py tests/test_packed_flex.py tests/test_packed_models.py tests/test_packed_switch.py \
 	tests/test_packed_trl.py \
 	tests/test_lora.py tests/test_collated_metadata.py tests/test_compiled_layers.py tests/test_distributed.py \
-	tests/test_padding_free.py tests/test_plan.py tests/test_offload_saved.py tests/test_dequant.py \
+	tests/test_padding_free.py tests/test_plan.py tests/test_offload_saved.py tests/test_dequant.py tests/test_toggles.py \
 	notebooks/04_all_three_together.ipynb
 
 .PHONY: setup bench test test-other-cpu typecheck mutants clean
