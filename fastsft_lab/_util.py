@@ -37,6 +37,16 @@ def percentiles(values: Iterable[float]) -> dict[str, float]:
             "p80": round(quantile(v, 0.8), 4), "n": len(v)}
 
 
+def on_device_of(t):
+    """The current CUDA device set to ``t``'s for a kernel launch (Triton launches on the current device, not the
+    tensors'): a model on ``cuda:1`` of a process whose current device is ``cuda:0``. A no-op off CUDA."""
+    import contextlib
+
+    import torch
+
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
 class KernelSwitch:
     """On/off for one family of fused Triton kernels: on unless the environment variable ``env`` says
     0/false/no/off, switchable at run time; they run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``

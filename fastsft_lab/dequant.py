@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._compat import bnb_fix_quant_state, has_triton, in_backward, is_fsdp2
-from ._util import override_forward, overridden, restore_forwards
+from ._util import on_device_of, override_forward, overridden, restore_forwards
 from .model_state import register_state_reader, state
 
 _ORIGINAL = "_fastsft_bnb_forward"
@@ -145,9 +145,11 @@ def _launch(kernel, codes: torch.Tensor, quant_state, dtype: torch.dtype) -> tor
         absmax, absmax_q, code2, offset = qs.absmax, qs.absmax, code, code      # unread placeholders
     n_bytes, per_program = flat.numel(), 1024
     bf16 = dtype == torch.bfloat16
-    kernel[(-(-n_bytes // per_program),)](
-        flat, absmax, code, absmax_q, absmax, code2, offset, out.view(torch.int16) if bf16 else out, n_bytes, numel,
-        BLOCKSIZE=qs.blocksize, NESTED=bool(qs.nested), BF16=bf16, BYTES=per_program, enable_fp_fusion=False)
+    with on_device_of(codes):
+        kernel[(-(-n_bytes // per_program),)](
+            flat, absmax, code, absmax_q, absmax, code2, offset, out.view(torch.int16) if bf16 else out, n_bytes,
+            numel, BLOCKSIZE=qs.blocksize, NESTED=bool(qs.nested), BF16=bf16, BYTES=per_program,
+            enable_fp_fusion=False)
     return out
 
 

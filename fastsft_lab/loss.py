@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._util import KernelSwitch
+from ._util import KernelSwitch, on_device_of
 from .model_state import ModelState, register_state_reader, state
 from .models import base_model
 
@@ -130,8 +130,9 @@ def _fused_chunk(logits: torch.Tensor, target: torch.Tensor, grad: bool, block: 
     rows, vocab = logits.shape
     loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows:
-        _ce_chunk_kernel[(rows,)](logits, target.contiguous(), loss, vocab, logits.stride(0), IGNORE=IGNORE_INDEX,
-                                  GRAD=grad, BLOCK=block, num_warps=_CE_WARPS)
+        with on_device_of(logits):
+            _ce_chunk_kernel[(rows,)](logits, target.contiguous(), loss, vocab, logits.stride(0),
+                                      IGNORE=IGNORE_INDEX, GRAD=grad, BLOCK=block, num_warps=_CE_WARPS)
     return loss, (logits if grad else None)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._util import KernelSwitch, pow2_ceil
+from .._util import KernelSwitch, on_device_of, pow2_ceil
 from ..families import experts_family
 
 
@@ -153,8 +153,9 @@ class _FusedGptOssGLU(torch.autograd.Function):
         ids = expert_ids.contiguous() if has_bias else gate_up
         if rows:
             grid, block_r, block_c = _gate_grid(rows, inter)
-            _glu_fwd_kernel[grid](gate_up, out, rows, inter, float(alpha), float(limit), b, ids, HAS_BIAS=has_bias,
-                                  BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_GATE_WARPS)
+            with on_device_of(gate_up):
+                _glu_fwd_kernel[grid](gate_up, out, rows, inter, float(alpha), float(limit), b, ids,
+                                      HAS_BIAS=has_bias, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_GATE_WARPS)
         ctx.save_for_backward(gate_up, b if has_bias else None, ids if has_bias else None)
         ctx.alpha, ctx.limit, ctx.has_bias = float(alpha), float(limit), has_bias
         ctx.bias_dtype = bias.dtype if has_bias else None
@@ -169,9 +170,11 @@ class _FusedGptOssGLU(torch.autograd.Function):
         rows = grad.numel() // inter if inter else 0
         if rows:
             grid, block_r, block_c = _gate_grid(rows, inter)
-            _glu_bwd_kernel[grid](gate_up, grad, dgu, rows, inter, ctx.alpha, ctx.limit,
-                                  b if ctx.has_bias else gate_up, ids if ctx.has_bias else gate_up,
-                                  HAS_BIAS=ctx.has_bias, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=_GATE_WARPS)
+            with on_device_of(gate_up):
+                _glu_bwd_kernel[grid](gate_up, grad, dgu, rows, inter, ctx.alpha, ctx.limit,
+                                      b if ctx.has_bias else gate_up, ids if ctx.has_bias else gate_up,
+                                      HAS_BIAS=ctx.has_bias, BLOCK_R=block_r, BLOCK_C=block_c,
+                                      num_warps=_GATE_WARPS)
         grad_bias = None
         if ctx.has_bias and ctx.needs_input_grad[3]:  # trainable expert biases: one_hot^T @ dgu (a GEMM, no atomics)
             one_hot = dgu.new_zeros(ids.numel(), b.shape[0]).scatter_(1, ids.view(-1, 1), 1.0)
@@ -188,8 +191,9 @@ class _FusedSwiGLU(torch.autograd.Function):
         rows = out.numel() // inter if inter else 0
         if rows:
             grid, block_r, block_c = _gate_grid(rows, inter)
-            _swiglu_fwd_kernel[grid](gate_up, out, rows, inter, BLOCK_R=block_r, BLOCK_C=block_c,
-                                     num_warps=_GATE_WARPS)
+            with on_device_of(gate_up):
+                _swiglu_fwd_kernel[grid](gate_up, out, rows, inter, BLOCK_R=block_r, BLOCK_C=block_c,
+                                         num_warps=_GATE_WARPS)
         ctx.save_for_backward(gate_up)
         return out
 
@@ -203,8 +207,9 @@ class _FusedSwiGLU(torch.autograd.Function):
         rows = grad.numel() // inter if inter else 0
         if rows:
             grid, block_r, block_c = _gate_grid(rows, inter)
-            _swiglu_bwd_kernel[grid](gate_up, grad, dgu, rows, inter, BLOCK_R=block_r, BLOCK_C=block_c,
-                                     num_warps=_GATE_WARPS)
+            with on_device_of(gate_up):
+                _swiglu_bwd_kernel[grid](gate_up, grad, dgu, rows, inter, BLOCK_R=block_r, BLOCK_C=block_c,
+                                         num_warps=_GATE_WARPS)
         return dgu
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .._util import KernelSwitch, pow2_ceil
+from .._util import KernelSwitch, on_device_of, pow2_ceil
 
 _FUSED_COMBINE = KernelSwitch("FASTSFT_MOE_FUSED_COMBINE")
 
@@ -103,8 +103,9 @@ def gather_sum(src: torch.Tensor, index: torch.Tensor, k: int, weights: torch.Te
     out = src.new_empty(num_tokens, hidden)
     if num_tokens and hidden:
         w = weights.contiguous() if weights is not None else src
-        _gather_sum_kernel[(num_tokens, triton.cdiv(hidden, _BLOCK_H))](
-            src, index, w, out, hidden, K=k, KP=pow2_ceil(k), HAS_W=weights is not None, BLOCK_H=_BLOCK_H)
+        with on_device_of(src):
+            _gather_sum_kernel[(num_tokens, triton.cdiv(hidden, _BLOCK_H))](
+                src, index, w, out, hidden, K=k, KP=pow2_ceil(k), HAS_W=weights is not None, BLOCK_H=_BLOCK_H)
     return out
 
 
@@ -130,13 +131,15 @@ class FusedCombine(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_y = torch.empty_like(y_sorted)
             if perm.numel() and hidden:
-                _scale_rows_kernel[(perm.numel(), triton.cdiv(hidden, _BLOCK_H))](
-                    grad, perm, weights, grad_y, hidden, K=k, BLOCK_H=_BLOCK_H)
+                with on_device_of(grad):
+                    _scale_rows_kernel[(perm.numel(), triton.cdiv(hidden, _BLOCK_H))](
+                        grad, perm, weights, grad_y, hidden, K=k, BLOCK_H=_BLOCK_H)
         if ctx.needs_input_grad[3]:
             grad_w = torch.empty_like(weights)
             if num_tokens:
-                _row_dots_kernel[(num_tokens,)](grad, y_sorted, inv, grad_w, hidden, K=k, KP=pow2_ceil(k),
-                                                BLOCK_H=_DOT_BLOCK_H)
+                with on_device_of(grad):
+                    _row_dots_kernel[(num_tokens,)](grad, y_sorted, inv, grad_w, hidden, K=k, KP=pow2_ceil(k),
+                                                    BLOCK_H=_DOT_BLOCK_H)
         return grad_y, None, None, grad_w
 
 

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._util import pow2_ceil
 from .streams import StreamOps
 
 MIN_BYTES = 1 << 20          # saved tensors smaller than this stay on the device: the copy's fixed cost outweighs them
@@ -55,7 +56,7 @@ MIN_BYTES = 1 << 20          # saved tensors smaller than this stay on the devic
 def pinned_block(nbytes: int) -> int:
     """Host bytes one pinned allocation of ``nbytes`` takes: torch's caching host allocator rounds every request up
     to a power of two (``CachingHostAllocator``: ``PowerOf2Ceil``), so an 80 MiB activation pins 128 MiB."""
-    return 1 << max(int(nbytes) - 1, 0).bit_length() if nbytes > 0 else 0
+    return pow2_ceil(nbytes) if nbytes > 0 else 0
 
 
 @dataclass
