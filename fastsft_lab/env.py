@@ -103,7 +103,9 @@ def device_profile(device: torch.device | str | None = None) -> DeviceProfile:
         p = EMULATED_PROFILES[emulate]
         if p["memory_gib"] > total:
             raise ValueError(f"{PROFILE_ENV}={emulate} needs {p['memory_gib']:.0f} GiB; {props.name} has {total:.0f}")
-        torch.cuda.set_per_process_memory_fraction(p["memory_gib"] / total, device)
+        # the cap takes a device index ("cuda" alone names none: the current device's)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.set_per_process_memory_fraction(p["memory_gib"] / total, index)
         return DeviceProfile("cuda", p["name"], p["capability"], p["memory_gib"], False, p["dtype"], p["flash"])
     cap = (props.major, props.minor)
     sm80 = cap >= (8, 0)

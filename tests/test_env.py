@@ -57,6 +57,27 @@ def test_emulated_device_profiles_refuse_in_one_line_where_they_cannot_apply(mon
         need_fits(t4, 40, "qwen3-14b")
 
 
+@pytest.mark.parametrize("device, index", [("cuda", 0), ("cuda:1", 1)])
+def test_an_emulated_profile_caps_the_memory_of_the_named_device(monkeypatch, device, index):
+    """torch's memory cap takes a device index: "cuda" (no index, what the notebooks pass) means the current device
+    (the H200 run of both profiles stopped here with "Expected a torch.device with a specified index")."""
+    from torch._utils import _get_device_index
+
+    props = SimpleNamespace(name="NVIDIA H200", major=9, minor=0, total_memory=140 * 2**30, is_integrated=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    caps = []
+
+    def cap(fraction, device=None):
+        caps.append((fraction, _get_device_index(device, optional=False)))   # what torch's own check does
+
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", cap)
+    monkeypatch.setenv(env.PROFILE_ENV, "24gb")
+    p = env.device_profile(device)
+    assert p.memory_gib == 22.0 and p.dtype == torch.bfloat16
+    assert caps == [(22.0 / 140, index)]
+
+
 def test_double_buffer_warns_once_on_unified_memory():
     from fastsft_lab.offload.switch import _WARNED_UNIFIED, resolve_device, warn_unified_memory
 
