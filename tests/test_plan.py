@@ -321,6 +321,18 @@ def test_a_share_of_free_memory_needs_a_device_that_reports_it():
         fastsft_lab.apply(_model("tiny-qwen3"), memory_budget="90%")
 
 
+def test_free_gpu_memory_counts_what_the_allocator_holds_unallocated(monkeypatch):
+    """The driver counts PyTorch's cached blocks as used: after a large step (the budget scenario's calibration at
+    16k tokens) it reported 39 GiB free of 140, and the frontier stopped at 35 GiB. What a new tensor can get is the
+    driver's free memory plus the cache's unallocated part."""
+    gib = P.GiB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (39 * gib, 140 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 96 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 16 * gib)
+    assert P.device_memory(torch.device("cuda")) == (140 * gib, (39 + 96 - 16) * gib)
+    assert P.parse_budget("50%", *P.device_memory(torch.device("cuda"))) == int(119 * gib * 0.5)
+
+
 def test_budget_and_hand_set_checkpointing_say_which_wins():
     model = _model("tiny-qwen3")
     with pytest.raises(ValueError, match="offload_buffers=0 .* contradicts it"):
@@ -463,14 +475,13 @@ def test_cuda_plan_holds_its_budget_and_trains_as_plain_training(kept):
     try:
         _step(model, inputs)
         _step(model, inputs)
+        # the budget from this planner's own measurement, solved as at step 2 (a second apply measures a step 1 of
+        # its own, whose base need not be this one's: on the H200 it came out above this budget, 8.93 > 8.84 GiB)
         planner = P.memory_planner(model)
         keep = max(planner.costs[k].held["keep"] for k in planner.kinds)
         budget = int(planner.base(4096) + (kept + 0.5) * keep)
-        fastsft_lab.revert(model)
-        fastsft_lab.apply(model, memory_budget=budget / GiB)
-        for _ in range(2):
-            _step(model, inputs)
-        planner = P.memory_planner(model)
+        planner.budget = budget
+        planner.plan = planner.solve(4096)
         assert len(set(planner.plan.choices)) > 1, \
             (planner.plan.describe(), planner.base(4096) / GiB, budget / GiB,
              {k: c.held for k, c in planner.costs.items()})

@@ -429,10 +429,12 @@ def parse_budget(value, total: int | None, free: int | None) -> int:
 
 
 def device_memory(device: torch.device) -> tuple[int | None, int | None]:
-    """(total, free) bytes of ``device``: the GPU's, or the host's physical memory for a CPU (free unknown)."""
+    """(total, free) bytes of ``device``: the GPU's, or the host's physical memory for a CPU (free unknown). On CUDA
+    "free" is what a new tensor can get: the device's free memory plus what this process's caching allocator holds
+    unallocated (the driver counts that as used)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return total, free
+        return total, free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     try:
         import os
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), None
