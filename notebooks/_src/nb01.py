@@ -176,17 +176,20 @@ with `SyncCounter` (it counts on a CPU the operations that would sync a GPU), pe
 On a GPU each of those is a full stop of the launch queue. In a training step with gradient checkpointing they are
 paid twice (forward and recompute), in every layer: for SDPA at 40 layers, 4 × 40 × 2 = 320 stalls per step (the
 count notebook 00 prints for its naive variant). The SDPA path also pays a Python loop over the segments (about six
-small kernels per segment) and a fresh T×T mask per layer. The profiler shows the extra work: the operators the
-naive path launches in one forward that the cached path does not (call counts: on a tiny CPU model their times are
-all near zero; the Chrome traces land in `runs/`, open them in Perfetto to see the gaps on a GPU timeline). The
+small kernels per segment) and a fresh T×T mask per layer.
+
+The timeline after the counts draws one forward of each path, at the width the speed measurement below uses
+(on a GPU: four of the model's layers at real width, `TOKENS` tokens; in smoke mode the tiny model): host operations
+in grey, **red where the host waits for the device**, and on a GPU the kernels in blue. The naive lane stops in every
+layer; the cached lane builds the device side once, in the first layer (a non-blocking copy, no wait), and never
+stops. On a CPU there is no GPU lane: the red marks show where a GPU run would stall. The
 cell stops with an error if a layer of the naive path pays no sync.
 '''),
 ("code", r'''
-import os
-from collections import Counter
 import fastsft_lab
+from fastsft_lab.data import benchmark_batches
 from fastsft_lab.packing import packed_inputs
-from fastsft_lab.profiling import SyncCounter, profile
+from fastsft_lab.profiling import SyncCounter, host_device_timeline
 
 def syncs_per_layer(model, backend, cache, inputs):
     fastsft_lab.apply(model, packed_attention=backend, packed_metadata_cache=cache)
@@ -201,21 +204,30 @@ for backend, (per_layer, total) in naive_rows.items():
     print(f"  {backend:7s} syncs per layer {per_layer}  total {total}")
 assert all(min(per_layer) >= 1 for per_layer, _ in naive_rows.values()), "a layer of the naive path paid no sync"
 
-os.makedirs("runs", exist_ok=True)
-def op_calls(cache):      # operator call counts of one forward (its Chrome trace lands in runs/)
-    fastsft_lab.apply(qwen, packed_attention="sdpa", packed_metadata_cache=cache)
-    inputs = packed_inputs(batch) if cache else batch.model_inputs()
-    with torch.no_grad():
-        res = profile(lambda: qwen(**inputs), top=500, trace_path=f"runs/01_{'cached' if cache else 'naive'}_trace.json")
-    fastsft_lab.apply(qwen, packed_attention="off")
-    return Counter({o["name"]: o["calls"] for o in res.top_ops})
+wide = build_model(BENCH_MODEL, device=DEVICE, dtype=DTYPE, num_layers=None if SMOKE else 4, seed=0).eval()
+wide_batch = benchmark_batches(tokens_per_step=TOKENS, steps=1, vocab_size=wide.config.vocab_size, mix=MIX)[0].to(DEVICE)
 
-naive_calls, cached_calls = op_calls(False), op_calls(True)
-extra = naive_calls - cached_calls
-print(f"\noperator calls in one forward: naive {sum(naive_calls.values())}, cached {sum(cached_calls.values())}; "
-      f"the naive path's extra calls, most frequent first:")
-for op, n in extra.most_common(10):
-    print(f"  {n:5d} x {op}")
+def forward_timeline(backend, cache):   # one forward, after a warm one; the cached path builds its metadata inside it
+    fastsft_lab.apply(wide, packed_attention=backend, packed_metadata_cache=cache)
+    make = (lambda: packed_inputs(wide_batch)) if cache else wide_batch.model_inputs
+    run = lambda: wide(**{k: v for k, v in make().items() if k != "labels"}, logits_to_keep=1)   # the layers, no LM head
+    with torch.no_grad():
+        run()
+        line = host_device_timeline(run, DEVICE)
+    fastsft_lab.apply(wide, packed_attention="off")
+    return line
+
+lines = {f"{backend} {path}": forward_timeline(backend, path == "cached") for backend in BACKENDS for path in ("naive", "cached")}
+layers = wide.config.num_hidden_layers
+print(f"\none forward, {BENCH_MODEL} ({layers} layers), {TOKENS} tokens, {wide_batch.num_sequences} sequences:")
+for name, line in lines.items():
+    span = max([e for _, _, e, _ in line["host"]] + [e for _, _, e in line["gpu"]], default=0.0)
+    print(f"  {name:14s} {span:7.2f} ms, {line['host_syncs']} host ops that waited for the device")
+fig, ax = plt.subplots(figsize=(10, 3.4 if DEVICE == "cpu" else 5.5))
+plots.plot_host_device_timeline(lines, ax=ax, what="one forward", title=f"one forward, {BENCH_MODEL} ({layers} layers), "
+                                f"{TOKENS} tokens, {PROFILE.name}: red = the host waits for the device")
+fig.tight_layout(); display(fig); plt.close(fig)
+del wide
 '''),
 ("md", r'''
 ## The fix
