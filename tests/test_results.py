@@ -187,3 +187,18 @@ def test_the_frontier_reads_the_newest_per_configuration_and_rates_each_plan_aga
     fig = plots.plot_frontier(docs)
     assert len(fig.axes) == 2
     assert [len(line.get_xdata()) for line in fig.axes[0].lines][0] == 2      # the two plans joined by one line
+
+
+def test_a_run_at_one_budget_does_not_hide_the_frontier(tmp_path):
+    """A later run at one asked-for budget (`--set budget.budgets=80`) is a point, not a frontier: both are read,
+    each from its own run, the frontier first, and the point's header says what it is."""
+    from fastsft_lab.lab import report
+
+    point = _frontier_doc("c", "2026-01-03")
+    point["variants"] = [v for v in point["variants"] if not v["name"].startswith("15 GiB")]
+    for rel, doc in {"a/b/q.json": _frontier_doc("a", "2026-01-01"), "c/b/q.json": point}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(json.dumps(doc))
+    docs = results.budget_results(root=tmp_path)
+    assert [(results.run_of(d), results.plans_in(d)) for d in docs] == [("a", 2), ("c", 1)]
+    assert "not a frontier" in report.frontier_text(docs[1]) and "not a frontier" not in report.frontier_text(docs[0])

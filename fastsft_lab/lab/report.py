@@ -320,8 +320,10 @@ def _mem_parts(v: dict) -> str:
 def _frontier_header(doc: dict) -> str:
     c = doc["config"]
     quant = "NF4 + LoRA" if c.get("quant") == "nf4" else f"{c.get('dtype', 'bf16')} + LoRA"
+    what = "" if R.plans_in(doc) > 1 else " (one budget, asked for: not a frontier)"
     return (f"{c['model']}, {_depth(c)}, {quant} r{c.get('lora_rank')}, {c.get('tokens_per_step')} tokens/step, "
-            f"autocast {c.get('autocast')}, floor: {', '.join(f'{k}={v}' for k, v in c.get('floor', {}).items())}")
+            f"autocast {c.get('autocast')}, floor: {', '.join(f'{k}={v}' for k, v in c.get('floor', {}).items())}"
+            + what)
 
 
 def frontier_text(doc: dict) -> str:

@@ -333,15 +333,23 @@ def breakdown_results(root=None, device_type: str | None = "cuda") -> list[dict]
                                        d["config"].get("kernels") != "none", d["config"].get("autocast", "none") != "none"))
 
 
+def plans_in(doc: dict) -> int:
+    """How many solved plans a memory-plan result times: two or more make a frontier; one is a run at a budget asked
+    for (``--set budget.budgets=80``)."""
+    return sum(1 for v in doc["variants"] if "memory_budget_bytes" in v.get("toggles", {}))
+
+
 def budget_results(root=None, device_type: str | None = "cuda") -> list[dict]:
     """The newest committed memory-plan frontier (``bench --only budget``) of each (model, depth, tokens per step,
-    quantisation, autocast), across runs, dense models first, then by tokens."""
+    quantisation, autocast), and the newest run at budgets asked for of each where there is one (a run of one point
+    does not hide the frontier), across runs; dense models first, then by tokens, the frontier before the point."""
     def key(d: dict) -> tuple:
         c = d["config"]
-        return c["model"], c.get("num_layers"), c.get("tokens_per_step"), c.get("quant"), c.get("autocast", "none")
+        return (c["model"], c.get("num_layers"), c.get("tokens_per_step"), c.get("quant"), c.get("autocast", "none"),
+                plans_in(d) > 1)
     docs = newest_per_config(load_results("budget", root=root, device_type=device_type), key)
     return sorted(docs, key=lambda d: ("gpt-oss" in d["config"]["model"], d["config"]["model"],
-                                       d["config"].get("tokens_per_step") or 0))
+                                       d["config"].get("tokens_per_step") or 0, plans_in(d) <= 1))
 
 
 def frontier_rows(doc: dict) -> list[dict]:
@@ -360,7 +368,7 @@ def frontier_rows(doc: dict) -> list[dict]:
     return rows
 
 
-__all__ = ["budget_results", "frontier_rows", "all_results", "load_results", "run_of", "newest_per_config", "describe_run", "build_index", "write_index",
+__all__ = ["budget_results", "plans_in", "frontier_rows", "all_results", "load_results", "run_of", "newest_per_config", "describe_run", "build_index", "write_index",
            "repo_results_dir", "INDEX", "step_spread", "unsettled", "UNSETTLED_SPREAD", "offload_results",
            "packed_regime", "packed_key", "packed_configs", "packed_headline", "combined_results", "newest_peak_gib", "peer_results", "PEER_OUR_VARIANTS", "experts_profile",
            "experts_profile_rows", "breakdown_results"]

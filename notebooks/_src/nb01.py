@@ -2,7 +2,7 @@ FILENAME = "01_packed_metadata.ipynb"
 
 # where the committed outputs come from (appended to the first cell by build.py)
 OUTPUTS = """**The outputs below** come from one run on an NVIDIA H200 (`SMOKE=0`, torch 2.11, transformers 5.17, 2026-12-05;
-run `benchmarks/results/h200-2026-12-05b`, whose README has the log). CI re-runs every cell in smoke mode on a CPU
+run `benchmarks/results/h200-2026-12-05c`, whose README has the log). CI re-runs every cell in smoke mode on a CPU
 (nbval, lax: the outputs are not compared)."""
 
 CELLS = [
@@ -182,8 +182,11 @@ The timeline after the counts draws one forward of each path, at the width the s
 (on a GPU: four of the model's layers at real width, `TOKENS` tokens; in smoke mode the tiny model): host operations
 in grey, **red where the host waits for the device**, and on a GPU the kernels in blue. The naive lane stops in every
 layer; the cached lane builds the device side once, in the first layer (a non-blocking copy, no wait), and never
-stops. On a CPU there is no GPU lane: the red marks show where a GPU run would stall. The
-cell stops with an error if a layer of the naive path pays no sync.
+stops. Read a red bar as a wait, not as work: the host stops until the GPU has run what was queued, so the bar is
+as long as that backlog; the cost is the gap that follows on the GPU lane (the queue ran dry) and the host work
+(for SDPA the mask and the loop over segments) that the host could otherwise have done ahead of the GPU. On a CPU
+there is no GPU lane: the red marks show where a GPU run would stall. The cell stops with an error if a layer of the
+naive path pays no sync.
 '''),
 ("code", r'''
 import fastsft_lab
