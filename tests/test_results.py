@@ -202,3 +202,43 @@ def test_a_run_at_one_budget_does_not_hide_the_frontier(tmp_path):
     docs = results.budget_results(root=tmp_path)
     assert [(results.run_of(d), results.plans_in(d)) for d in docs] == [("a", 2), ("c", 1)]
     assert "not a frontier" in report.frontier_text(docs[1]) and "not a frontier" not in report.frontier_text(docs[0])
+
+
+def _chain_doc(model, kernels, steps):
+    """An attribution result: ``steps`` as (name, median ms, p20, p80) or (name, None) for a step that failed."""
+    variants = [{"name": n, "step_ms": {"median": m, "p20": lo, "p80": hi, "n": 5}} if m else
+                {"name": n, "error": "out of memory"} for n, m, lo, hi in [(*s, None, None)[:4] for s in steps]]
+    return {"scenario": "attribution", "env": {"device": "cuda", "date": "2026-01-01", "gpu_name": "GPU"},
+            "config": {"model": model, "num_layers": 4, "tokens_per_step": 8192, "kernels": kernels,
+                       "chain": [s[0] for s in steps]},
+            "variants": variants}
+
+
+def test_the_attribution_table_gives_each_change_over_the_one_before_per_chain(tmp_path):
+    from fastsft_lab.lab import report
+
+    dense = _chain_doc("qwen3-14b", "none", [("stock transformers", 200.0, 199, 201),
+                                             ("+ varlen kernel, metadata per layer", 100.0, 99, 101),
+                                             ("+ metadata cached", 99.0, 98, 100.5),
+                                             ("+ double buffer", 90.0, 89, 91)])
+    moe = _chain_doc("gpt-oss-20b", "liger", [("stock transformers", 400.0, 399, 401),
+                                              ("+ varlen kernel, metadata per layer", 200.0, 199, 201),
+                                              ("+ experts grouped once", None),
+                                              ("+ sync-free experts", 50.0, 49, 51),
+                                              ("+ double buffer", 40.0, 39, 41)])
+    for rel, doc in {"r/a/dense.json": dense, "r/a/moe.json": moe}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(json.dumps(doc))
+    table = report.attribution_table(root=tmp_path)
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in table.splitlines()
+            if line.startswith("| +") or line.startswith("| the whole")}
+    # the longer chain gives the order, another chain's own step follows its predecessor there; a step a chain
+    # lacks is blank; a failed step says so and the next one is not compared with it
+    assert list(rows)[:5] == ["+ varlen kernel, metadata per layer", "+ metadata cached", "+ experts grouped once",
+                              "+ sync-free experts", "+ double buffer"]
+    assert rows["+ varlen kernel, metadata per layer"][:2] == ["2.00x", "2.00x"]
+    assert rows["+ metadata cached"][:2] == ["1.01x~", ""]                 # the spreads overlap: "~"
+    assert rows["+ experts grouped once"][:2] == ["", "failed"] and rows["+ sync-free experts"][:2] == ["", ""]
+    assert rows["+ double buffer"][:2] == ["1.10x", "1.25x"]
+    assert rows["the whole chain over stock"][0].startswith("**2.22x** (200 → 90 ms)")
+    assert "+14.3% per batch" in " ".join(rows["+ metadata cached"])          # the published figure beside it

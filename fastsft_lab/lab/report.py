@@ -982,6 +982,59 @@ def attribution_text(doc: dict) -> str:
     return "\n".join(out)
 
 
+def attribution_table(root=None) -> str:
+    """Markdown: what each change of the attribution chain is worth here, one column per committed chain (model and
+    kernel floor, :func:`.results.attribution_results`): its speed over the step before ("x": higher is faster; ``~``
+    where the two steps' spreads overlap; blank where the chain has no such step, "failed" where it did not run) and,
+    in the last row, the whole chain over stock; the published figure of each fix beside it."""
+    from .harness import spreads_overlap
+
+    docs = R.attribution_results(root=root)
+    if not docs:
+        return "_No committed GPU run of `bench --only attribution` yet._"
+    steps: list[str] = []
+    for d in sorted(docs, key=lambda d: -len(d["config"]["chain"])):     # the longest chain gives the order;
+        at = 0                                                           # another's own steps follow their
+        for name in d["config"]["chain"]:                                # predecessor in that chain
+            if name in steps:
+                at = steps.index(name) + 1
+            else:
+                steps.insert(at, name)
+                at += 1
+
+    def cells(doc: dict) -> dict:
+        rows = {r["name"]: r for r in doc["variants"]}
+        out, prev = {}, None
+        for name in doc["config"]["chain"]:
+            r = rows.get(name, {})
+            if "step_ms" not in r:
+                out[name], prev = "failed", None
+                continue
+            if prev is not None:
+                tilde = "~" if spreads_overlap(prev["step_ms"], r["step_ms"]) else ""
+                out[name] = f"{prev['step_ms']['median'] / r['step_ms']['median']:.2f}x{tilde}"
+            prev = r
+        first, last = rows.get(doc["config"]["chain"][0], {}), rows.get(doc["config"]["chain"][-1], {})
+        if "step_ms" in first and "step_ms" in last:
+            out["total"] = (f"**{first['step_ms']['median'] / last['step_ms']['median']:.2f}x** "
+                            f"({first['step_ms']['median']:.0f} → {last['step_ms']['median']:.0f} ms)")
+        return out
+
+    cols = [cells(d) for d in docs]
+    floor = {"none": "stock kernels", "liger": "Liger floor"}
+    heads = [f"{d['config']['model']} {_depth(d['config'])}, {floor.get(d['config'].get('kernels', 'none'), '?')}"
+             for d in docs]
+    out = ["| step (each over the one before) | " + " | ".join(heads) + " | published |",
+           "|---" * (len(docs) + 2) + "|"]
+    for name in steps[1:]:
+        out.append(f"| {name} | " + " | ".join(c.get(name, "") for c in cols) + f" | {PUBLISHED_STEP.get(name, '')} |")
+    out.append("| the whole chain over stock | " + " | ".join(c.get("total", "") for c in cols) + " | |")
+    tokens = sorted({d["config"].get("tokens_per_step") for d in docs})
+    out.append(f"\n{', '.join(map(str, tokens))} tokens per step, autocast bf16; ~: the two steps' p20-p80 spreads "
+               f"overlap. Source: {_source(docs)}.")
+    return "\n".join(out)
+
+
 def peer_text(peer: list[dict], same: list[dict]) -> str:
     """One comparison of :func:`.results.peer_results` as text: the peer's rows and ours from the same session
     (step ms, peak GiB, host syncs; each of our rows names its kernel floor and autocast), who leads by medians and by
@@ -1081,7 +1134,7 @@ def loss_curves_text(doc: dict | None) -> str:
 
 TABLES = {"headline": headline_table, "combined": combined_table, "packed": packed_table, "regime": regime_table, "offload": offload_table,
           "moe": moe_table, "soak": soak_table, "peer": peer_table, "offload_link": offload_link_table,
-          "breakdown": breakdown_table, "budget": budget_table}
+          "breakdown": breakdown_table, "budget": budget_table, "attribution": attribution_table}
 
 
 RESULTS_MD = README.parent / "docs" / "results.md"
@@ -1103,7 +1156,7 @@ def write_readme(paths=DOCS) -> str:
     return ", ".join(str(p) for p in paths)
 
 
-__all__ = ["TABLES", "combined_summary", "attribution_text", "PUBLISHED_STEP", "PUBLISHED_GLUE_GAIN", "config_header", "peer_text", "peer_verdict", "frontier_text",
+__all__ = ["TABLES", "combined_summary", "attribution_text", "attribution_table", "PUBLISHED_STEP", "PUBLISHED_GLUE_GAIN", "config_header", "peer_text", "peer_verdict", "frontier_text",
            "breakdown_text", "loss_curves_text", "moe_runs_text", "experts_profile_text", "offload_derived_text", "offload_overlap_text",
            "offload_vram_text", "offload_sweep_text", "offload_link_text", "packed_configs_text",
            "packed_findings_text", "packed_variants_text", "packed_regime_text", "packed_collated_text", "MOE_DEFAULT", "render", "write_readme", "write_headline_chart", "headline_rows", "headline_table", "README",

@@ -333,6 +333,17 @@ def breakdown_results(root=None, device_type: str | None = "cuda") -> list[dict]
                                        d["config"].get("kernels") != "none", d["config"].get("autocast", "none") != "none"))
 
 
+def attribution_results(root=None, device_type: str | None = "cuda") -> list[dict]:
+    """The newest committed attribution chain (``bench --only attribution``) of each (model, depth, tokens, kernel
+    floor), across runs: dense before MoE, the stock floor before Liger's."""
+    def key(d: dict) -> tuple:
+        c = d["config"]
+        return c["model"], c.get("num_layers"), c.get("tokens_per_step"), c.get("kernels", "none")
+    docs = newest_per_config(load_results("attribution", root=root, device_type=device_type), key)
+    return sorted(docs, key=lambda d: ("gpt-oss" in d["config"]["model"], d["config"]["model"],
+                                       d["config"].get("kernels", "none") != "none"))
+
+
 def plans_in(doc: dict) -> int:
     """How many solved plans a memory-plan result times: two or more make a frontier; one is a run at a budget asked
     for (``--set budget.budgets=80``)."""
@@ -368,7 +379,7 @@ def frontier_rows(doc: dict) -> list[dict]:
     return rows
 
 
-__all__ = ["budget_results", "plans_in", "frontier_rows", "all_results", "load_results", "run_of", "newest_per_config", "describe_run", "build_index", "write_index",
+__all__ = ["attribution_results", "budget_results", "plans_in", "frontier_rows", "all_results", "load_results", "run_of", "newest_per_config", "describe_run", "build_index", "write_index",
            "repo_results_dir", "INDEX", "step_spread", "unsettled", "UNSETTLED_SPREAD", "offload_results",
            "packed_regime", "packed_key", "packed_configs", "packed_headline", "combined_results", "newest_peak_gib", "peer_results", "PEER_OUR_VARIANTS", "experts_profile",
            "experts_profile_rows", "breakdown_results"]
