@@ -25,9 +25,19 @@ def _run(cmd: list[str], out: pathlib.Path) -> dict:
     return json.loads(out.read_text())
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_sft_recipe_on_two_processes_through_accelerate_and_torchrun(tmp_path):
+    # a port of its own: accelerate's default (29500) can still be held by an earlier test's processes
     accel = _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                  str(RECIPES / "accelerate" / "ddp_cpu.yaml")], tmp_path / "accelerate.json")
+                  str(RECIPES / "accelerate" / "ddp_cpu.yaml"), "--main_process_port", str(_free_port())],
+                 tmp_path / "accelerate.json")
     torchrun = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"],
                     tmp_path / "torchrun.json")
     for doc in (accel, torchrun):
