@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Iterable, Sequence
+
+import torch
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -40,10 +43,6 @@ def percentiles(values: Iterable[float]) -> dict[str, float]:
 def on_device_of(t):
     """The current CUDA device set to ``t``'s for a kernel launch (Triton launches on the current device, not the
     tensors'): a model on ``cuda:1`` of a process whose current device is ``cuda:0``. A no-op off CUDA."""
-    import contextlib
-
-    import torch
-
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 

@@ -14,7 +14,7 @@ import torch
 
 import fastsft_lab
 from fastsft_lab.data import benchmark_batches
-from fastsft_lab.models import LoraSettings, build_model
+from fastsft_lab.models import LoraSettings, build_model, decoder_layers
 from fastsft_lab.offload import StreamOps, check_stream_order
 from fastsft_lab.offload import plan as P
 from fastsft_lab.offload.saved import SavedOffload
@@ -241,14 +241,6 @@ def test_a_host_that_could_not_hold_the_activations_gets_no_offload_saved(monkey
         fastsft_lab.revert(model)
 
 
-def test_pinned_blocks_are_powers_of_two():
-    from fastsft_lab.offload.saved import pinned_block
-
-    mib = 1 << 20
-    assert [pinned_block(b) for b in (0, 1, 2, 3, 80 * mib, 128 * mib, 128 * mib + 1)] == \
-        [0, 1, 2, 4, 128 * mib, 128 * mib, 256 * mib]
-
-
 @pytest.mark.cuda
 def test_cuda_offload_saved_equals_plain_training_and_holds_less():
     # real streams: stores behind the forward, reloads behind the next layer's backward; the numbers to the bit
@@ -314,3 +306,29 @@ def test_the_budget_scenario_variant_keeping_everything_on_the_host_trains_as_pl
     finally:
         variant.disable(model)
     assert fastsft_lab.state(model).checkpointing == "none"
+
+
+def test_the_pinned_reading_counts_each_moved_activation_as_a_power_of_two_block():
+    """What offload_saved pins for a layer: every saved activation it moves (1 MiB and more), each rounded up to a
+    power of two as torch's pinned allocator does (1.28 MB -> 2 MiB here), parameters left out."""
+    model = build_model("tiny-qwen3", device="cpu", dtype=torch.float32, num_layers=1)
+    layer = decoder_layers(model)[0]
+    x = torch.randn(1, 5000, model.config.hidden_size)        # 1.28 MB per hidden-sized activation
+    pos = torch.arange(5000)[None]
+    rotary = model.model.rotary_emb(x, pos)
+    run = lambda h: layer(h, position_embeddings=rotary, position_ids=pos, attention_mask=None)   # noqa: E731
+    resident = {t.untyped_storage().data_ptr() for t in [*layer.parameters(), *layer.buffers()]}
+    sizes = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in resident:
+            sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    inp = x.detach().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run(inp)
+    moved = [b for b in sizes.values() if b >= 1 << 20]
+    expected = sum(1 << (b - 1).bit_length() for b in moved)
+    cost = P.measure_layer(run, x, [], resident=[*layer.parameters(), *layer.buffers()], repeats=1)
+    assert moved and cost.readings["pinned"] == expected > sum(moved)

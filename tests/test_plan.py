@@ -665,3 +665,10 @@ def test_the_allocated_reading_counts_only_what_a_kept_layer_holds(monkeypatch):
     # what autograd saves, less the layer's input (allocated before the reading began)
     assert cost.readings["allocated"] + x.numel() * x.element_size() == cost.readings["saved"], cost.readings
     assert cost.held["keep"] == cost.readings["saved"]
+
+
+def test_enable_memory_plan_refuses_a_budget_below_the_model_before_switching_anything():
+    model = _model("tiny-qwen3")
+    with pytest.raises(P.BudgetError, match="below what the model already holds"):
+        P.enable_memory_plan(model, 1e-6)
+    assert fastsft_lab.state(model) == fastsft_lab.ModelState() and P.memory_planner(model) is None

@@ -60,12 +60,13 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .._compat import TorchDispatchMode, is_fsdp2, pytree
+from .._util import pow2_ceil
 from ..model_state import register_state_reader
 from .pool import host_memory_available
 from .saved import MIN_BYTES as SAVED_MIN_BYTES
-from .saved import SavedOffload, pinned_block
+from .saved import SavedOffload
 from .switch import (disable_offloaded_checkpointing, displaced_layers, enable_offloaded_checkpointing,
-                     resolve_device)
+                     resolve_device, unified_memory)
 
 logger = logging.getLogger(__name__)
 
@@ -264,7 +265,8 @@ def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Te
     readings["saved"] = sum(count.saved.values())
     small_saved = list(count.saved.values())          # what offload_saved leaves on the device: the small ones
     keep = max(readings.values())
-    readings["pinned"] = sum(pinned_block(b) for b in small_saved if b >= SAVED_MIN_BYTES)
+    # torch's pinned allocator rounds every block up to a power of two (an 80 MiB activation pins 128 MiB)
+    readings["pinned"] = sum(pow2_ceil(b) for b in small_saved if b >= SAVED_MIN_BYTES)
     del out
     records = [r for p, r in count.selective.items() if p != inp.untyped_storage().data_ptr()]
     unsaved = frozenset(op for _, op, t, version in records if t._version != version)
@@ -723,15 +725,15 @@ def enable_memory_plan(model: nn.Module, budget, *, buffers: int = 2, prefetch: 
     device = resolve_device(model_device(model))
     total, free = device_memory(device)
     budget_bytes = parse_budget(budget, total, free)
+    check_budget_floor(model, budget_bytes)                 # before anything is switched on
     enable_offloaded_checkpointing(model, buffers, prefetch)
     layers = decoder_layers(model)
-    unified = device.type == "cuda" and bool(getattr(torch.cuda.get_device_properties(device), "is_integrated", 0))
+    unified = unified_memory(device)
     planner = MemoryPlanner(budget_bytes, device, layer_kinds(model),
                             [layer._gradient_checkpointing_func for layer in layers], buffers=buffers,
                             max_tokens=max_tokens, optimizer_bytes_per_param=optimizer_bytes_per_param,
                             layers=[weakref.ref(layer) for layer in layers], unified=unified,
                             fixed_cpu=_tensor_bytes(key.parameters()) + _tensor_bytes(key.buffers()))
-    check_budget_floor(model, budget_bytes)
     manager = getattr(layers[0]._gradient_checkpointing_func, "manager", None) if layers else None
     planner.saved = SavedOffload(device, prefetch=manager.prefetch if manager is not None else buffers == 2,
                                  streams=manager.ops if manager is not None else None)

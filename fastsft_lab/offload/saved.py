@@ -47,16 +47,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .._util import pow2_ceil
 from .streams import StreamOps
 
 MIN_BYTES = 1 << 20          # saved tensors smaller than this stay on the device: the copy's fixed cost outweighs them
-
-
-def pinned_block(nbytes: int) -> int:
-    """Host bytes one pinned allocation of ``nbytes`` takes: torch's caching host allocator rounds every request up
-    to a power of two (``CachingHostAllocator``: ``PowerOf2Ceil``), so an 80 MiB activation pins 128 MiB."""
-    return pow2_ceil(nbytes) if nbytes > 0 else 0
 
 
 @dataclass
@@ -273,4 +266,4 @@ class SavedOffload:
         return x
 
 
-__all__ = ["MIN_BYTES", "SavedOffload", "SavedOffloadStats", "pinned_block"]
+__all__ = ["MIN_BYTES", "SavedOffload", "SavedOffloadStats"]

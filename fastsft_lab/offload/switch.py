@@ -37,9 +37,10 @@ def displaced_layers(model: nn.Module) -> int:
     """How many decoder layers no longer run fastsft_lab's checkpointing although it is on for ``model``: something
     (``model.gradient_checkpointing_enable()``, which transformers' Trainer calls for ``gradient_checkpointing=True``;
     ``gradient_checkpointing_disable()``) replaced their functions after ``apply``. 0 when it is off."""
-    if base_model(model) not in _ORIGINALS:
+    originals = _ORIGINALS.get(base_model(model))
+    if originals is None:
         return 0
-    return sum(1 for layer in decoder_layers(model)
+    return sum(1 for layer, _ in originals
                if not (getattr(layer, "gradient_checkpointing", False)
                        and getattr(layer._gradient_checkpointing_func, "fastsft_checkpointing", False)))
 
@@ -57,7 +58,7 @@ def _watch(model: nn.Module) -> None:
         n = displaced_layers(key)
         if n:
             _WARNED_DISPLACED.add(key)
-            warnings.warn(f"fastsft_lab: {n} of {len(decoder_layers(key))} decoder layers no longer run its "
+            warnings.warn(f"fastsft_lab: {n} of {len(_ORIGINALS.get(key, ()))} decoder layers no longer run its "
                           "checkpointing (offload / memory plan): model.gradient_checkpointing_enable() or _disable() "
                           "replaced it after apply() -- transformers' Trainer does so for gradient_checkpointing=True, "
                           "TRL's default. Pass gradient_checkpointing=False to the trainer, or apply() again after it",
@@ -97,6 +98,11 @@ def resolve_device(dev: torch.device) -> torch.device:
 _WARNED_UNIFIED: set = set()
 
 
+def unified_memory(dev: torch.device) -> bool:
+    """Whether ``dev`` is a GPU that shares its memory with the host (DGX Spark / GB10, Jetson)."""
+    return dev.type == "cuda" and bool(getattr(torch.cuda.get_device_properties(dev), "is_integrated", 0))
+
+
 def warn_unified_memory(dev: torch.device, buffers: int, *, integrated: bool | None = None) -> bool:
     """Once per device: on a GPU that shares its memory with the host (DGX Spark / GB10, Jetson), offloading moves
     nothing off the GPU's memory and the second staging buffer only costs time and memory (Unsloth turns its double
@@ -104,7 +110,7 @@ def warn_unified_memory(dev: torch.device, buffers: int, *, integrated: bool | N
     if buffers != 2 or dev.type != "cuda" or dev in _WARNED_UNIFIED:
         return False
     if integrated is None:
-        integrated = bool(getattr(torch.cuda.get_device_properties(dev), "is_integrated", 0))
+        integrated = unified_memory(dev)
     if not integrated:
         return False
     _WARNED_UNIFIED.add(dev)
