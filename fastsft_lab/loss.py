@@ -36,13 +36,11 @@ removes the instance attribute.
 from __future__ import annotations
 
 import sys
-from types import MethodType
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._util import KernelSwitch, on_device_of
+from ._util import KernelSwitch, on_device_of, override_forward, restore_forwards
 from .model_state import ModelState, register_state_reader, state
 from .models import base_model
 
@@ -339,20 +337,14 @@ def enable_fused_loss(model: nn.Module) -> ModelState:
     if _ATTR in base.__dict__:
         return state(model)
     check_fused_loss(model)
-    base.__dict__[_ATTR] = base.forward
     base.__dict__[_ATTR + "_output"] = _output_class(base)
-    base.forward = MethodType(fused_causal_lm_forward, base)
+    override_forward(base, _ATTR, fused_causal_lm_forward)
     return state(model)
 
 
 def disable_fused_loss(model: nn.Module) -> ModelState:
     """Give the model back its own forward (a no-op when the fused loss is off)."""
-    base = base_model(model)
-    if _ATTR in base.__dict__:
-        base.__dict__.pop("forward", None)
-        base.__dict__.pop(_ATTR)
-        base.__dict__.pop(_ATTR + "_output")
-        base.__dict__.pop(_SCOPE, None)
+    restore_forwards(base_model(model), _ATTR, extra=(_ATTR + "_output", _SCOPE))
     return state(model)
 
 
