@@ -945,38 +945,51 @@ PUBLISHED_STEP = {"+ metadata cached": "+14.3% per batch, +43.3% forward (Qwen3-
                   "+ double buffer": "~8% (for < 0.5 GB of VRAM)"}
 
 
+def _chain_steps(doc: dict):
+    """The steps of an attribution chain in order: ``(name, row, before)``, ``before`` = (speed over the step before,
+    whether their p20-p80 spreads overlap), None for the first step and for a step after one that did not run; a
+    step that did not run has a row without ``step_ms``."""
+    from .harness import spreads_overlap
+
+    rows = {r["name"]: r for r in doc["variants"]}
+    prev = None
+    for name in doc["config"]["chain"]:
+        r = rows.get(name, {})
+        if "step_ms" not in r:
+            yield name, r, None
+            prev = None
+            continue
+        before = None
+        if prev is not None:
+            before = (prev["step_ms"]["median"] / r["step_ms"]["median"],
+                      spreads_overlap(prev["step_ms"], r["step_ms"]))
+        yield name, r, before
+        prev = r
+
+
 def attribution_text(doc: dict) -> str:
     """The attribution chain of one result (scenario ``attribution``) as a table: each step's median step time
     [p20-p80], its speed over the step before and over stock ("x": higher is faster; ``~`` where the two spreads
     overlap), whether it computes what exact packing computes (``vs ref``), and the published figure for that fix
     where there is one. A failed step says so and the next one is
     not compared with it."""
-    from .harness import _fmt_equal, spreads_overlap
+    from .harness import _fmt_equal
 
-    rows = {r["name"]: r for r in doc["variants"]}
     chain = doc["config"]["chain"]
-    stock = rows.get(chain[0], {})
+    stock = {r["name"]: r for r in doc["variants"]}.get(chain[0], {})
     out = [config_header(doc),
            f"  {'step':36s} {'step ms':>22s} {'vs step before':>15s} {'vs stock':>9s} {'vs ref':>8s}  published"]
-    prev = None
-    for name in chain:
-        r = rows.get(name, {})
+    for name, r, before in _chain_steps(doc):
         if "step_ms" not in r:
             out.append(f"  {name:36s} {'failed: ' + str(r.get('error', 'not run'))[:60]}")
-            prev = None
             continue
         ms = r["step_ms"]
         step = f"{ms['median']:.1f} [{ms['p20']:.1f}-{ms['p80']:.1f}]"
-        if prev is None:
-            before = "–"
-        else:
-            tilde = "~" if spreads_overlap(prev["step_ms"], ms) else " "
-            before = f"{prev['step_ms']['median'] / ms['median']:.2f}x{tilde}"
+        before = "–" if before is None else f"{before[0]:.2f}x{'~' if before[1] else ' '}"
         over = f"{stock['step_ms']['median'] / ms['median']:.2f}x" if "step_ms" in stock else "–"
         same = _fmt_equal(r["equal_to_first"]) if "equal_to_first" in r else "-"
         out.append(f"  {name:36s} {step:>22s} {before:>15s} {over:>9s} {same:>8s}  "
                    f"{PUBLISHED_STEP.get(name, '')}".rstrip())
-        prev = r
     out.append("  ~: the two steps' p20-p80 spreads overlap: this run does not tell them apart; vs ref: one step's "
                "loss and gradients against exact packing (ref): bitwise, or the largest relative difference")
     return "\n".join(out)
@@ -987,8 +1000,6 @@ def attribution_table(root=None) -> str:
     kernel floor, :func:`.results.attribution_results`): its speed over the step before ("x": higher is faster; ``~``
     where the two steps' spreads overlap; blank where the chain has no such step, "failed" where it did not run) and,
     in the last row, the whole chain over stock; the published figure of each fix beside it."""
-    from .harness import spreads_overlap
-
     docs = R.attribution_results(root=root)
     if not docs:
         return "_No committed GPU run of `bench --only attribution` yet._"
@@ -1004,16 +1015,12 @@ def attribution_table(root=None) -> str:
 
     def cells(doc: dict) -> dict:
         rows = {r["name"]: r for r in doc["variants"]}
-        out, prev = {}, None
-        for name in doc["config"]["chain"]:
-            r = rows.get(name, {})
+        out = {}
+        for name, r, before in _chain_steps(doc):
             if "step_ms" not in r:
-                out[name], prev = "failed", None
-                continue
-            if prev is not None:
-                tilde = "~" if spreads_overlap(prev["step_ms"], r["step_ms"]) else ""
-                out[name] = f"{prev['step_ms']['median'] / r['step_ms']['median']:.2f}x{tilde}"
-            prev = r
+                out[name] = "failed"
+            elif before is not None:
+                out[name] = f"{before[0]:.2f}x{'~' if before[1] else ''}"
         first, last = rows.get(doc["config"]["chain"][0], {}), rows.get(doc["config"]["chain"][-1], {})
         if "step_ms" in first and "step_ms" in last:
             out["total"] = (f"**{first['step_ms']['median'] / last['step_ms']['median']:.2f}x** "
@@ -1030,8 +1037,9 @@ def attribution_table(root=None) -> str:
         out.append(f"| {name} | " + " | ".join(c.get(name, "") for c in cols) + f" | {PUBLISHED_STEP.get(name, '')} |")
     out.append("| the whole chain over stock | " + " | ".join(c.get("total", "") for c in cols) + " | |")
     tokens = sorted({d["config"].get("tokens_per_step") for d in docs})
-    out.append(f"\n{', '.join(map(str, tokens))} tokens per step, autocast bf16; ~: the two steps' p20-p80 spreads "
-               f"overlap. Source: {_source(docs)}.")
+    autocast = sorted({str(d["config"].get("autocast", "none")) for d in docs})
+    out.append(f"\n{', '.join(map(str, tokens))} tokens per step, autocast {', '.join(autocast)}; ~: the two steps' "
+               f"p20-p80 spreads overlap. Source: {_source(docs)}.")
     return "\n".join(out)
 
 
