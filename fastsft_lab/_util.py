@@ -6,8 +6,6 @@ import contextlib
 import os
 from typing import Iterable, Sequence
 
-import torch
-
 
 def round_up(n: int, multiple: int) -> int:
     """The smallest multiple of ``multiple`` that is >= ``n``."""
@@ -43,7 +41,11 @@ def percentiles(values: Iterable[float]) -> dict[str, float]:
 def on_device_of(t):
     """The current CUDA device set to ``t``'s for a kernel launch (Triton launches on the current device, not the
     tensors'): a model on ``cuda:1`` of a process whose current device is ``cuda:0``. A no-op off CUDA."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+    if t.device.type != "cuda":
+        return contextlib.nullcontext()
+    import torch          # here, not at the top: the Unsloth peer's process imports this module without torch
+
+    return torch.cuda.device(t.device)
 
 
 class KernelSwitch:
