@@ -26,9 +26,11 @@ RUN=${RUN:-h200-$(date -u +%Y-%m-%d)}
 R=benchmarks/results/$RUN
 mkdir -p "$R/logs"
 if [ -d .whl ]; then
-  # our wheels (bitsandbytes, trl, datasets, liger-kernel) and, for the notebooks stage, a Jupyter kernel (.nbwhl)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  # our wheels (bitsandbytes, trl, datasets, liger-kernel) and, for the notebooks stage, a Jupyter kernel (.nbwhl);
+  # installed once per machine (a second session started beside a running one must not rewrite its site folder)
+  [ -f /tmp/site/.installed ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     $( [ -d .nbwhl ] && ls .nbwhl/*.whl ) || exit 3
+  touch /tmp/site/.installed
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
