@@ -4,6 +4,7 @@ search); the measured bytes order the choices; bad budgets get one-line errors."
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -253,6 +254,37 @@ def test_solver_equals_exhaustive_search(seed):
     assert plan.peak <= budget
     assert plan.seconds == pytest.approx(best[0], rel=1e-12), (plan, best)
     assert plan.seconds == pytest.approx(sum(c.seconds[x] for c, x in zip(costs, plan.choices)))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_ranked_search_is_the_exhaustive_search_and_solve_is_its_first(seed):
+    """``ranked`` (what the budget scenario measures the solver against) enumerates every plan: its first is the
+    independent search's best and :func:`solve`'s; the rest fit, in order, each a different (peak, time); a last layer
+    that pays a first reload is priced as :func:`solve` prices it."""
+    rng = random.Random(100 + seed)
+    n = rng.randint(3, 6)
+    costs = [_cost(300 + rng.randint(0, 600), 200, 60, tuple(sorted(rng.uniform(1, 3) for _ in range(4)))
+                   + (rng.uniform(1, 4),), saved=rng.randint(0, 20)) for _ in range(n)]
+    costs[-1] = dataclasses.replace(costs[-1], first_reload=rng.uniform(0, 1))
+    base, staging, saved_extra = 1000, 200, 50
+    budget = base + rng.randint(200 * n, sum(c.held["keep"] for c in costs) + saved_extra)
+    plans = P.ranked(costs, budget, base, staging=staging, saved_extra=saved_extra, limit=5)
+    timed = [*costs[:-1], dataclasses.replace(costs[-1], seconds={**costs[-1].seconds, "offload_saved":
+                                              costs[-1].seconds["offload_saved"] + costs[-1].first_reload})]
+    best = _exhaustive(timed, budget, base, staging, saved_extra)
+    solved = P.solve(costs, budget, base, staging=staging, saved_extra=saved_extra)
+    assert plans[0].seconds == pytest.approx(best[0], rel=1e-12) == pytest.approx(solved.seconds, rel=1e-12)
+    assert [p.seconds for p in plans] == sorted(p.seconds for p in plans)
+    assert len({(p.peak, round(p.seconds, 12)) for p in plans}) == len(plans) > 1
+    for p in plans:
+        assert p.peak <= budget
+        assert (p.peak, p.seconds) == pytest.approx(P.predict(costs, p.choices, base, staging=staging,
+                                                               saved_extra=saved_extra))
+
+
+def test_ranked_refuses_a_search_too_large_to_enumerate():
+    with pytest.raises(ValueError, match="more than 390625: use fewer layers"):
+        P.ranked([_cost(4, 2, 1)] * 9, 10**9, 0)
 
 
 def test_solver_uses_the_whole_budget_to_the_byte():

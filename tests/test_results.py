@@ -204,6 +204,59 @@ def test_a_run_at_one_budget_does_not_hide_the_frontier(tmp_path):
     assert "not a frontier" in report.frontier_text(docs[1]) and "not a frontier" not in report.frontier_text(docs[0])
 
 
+def test_the_frontier_sets_the_solver_against_its_search_and_the_peer_at_its_memory(tmp_path):
+    """The exhaustive search's plans are rows of their own (not on the frontier's line) and the solver's step is set
+    against the fastest measured one; the Unsloth runs of the same session stand beside the plans, each compared
+    with our fastest *solved* plan within its peak and within 2.5 times it (a faster searched plan does not count)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from fastsft_lab.lab import plots, report
+
+    gib = 2**30
+    doc = _frontier_doc("a", "2026-01-01")
+    doc["config"].update(num_layers=8, search=1)
+    doc["variants"] = [
+        {"name": "7 GiB: 8 offload", "step_ms": {"median": 300.0}, "peak_mem_bytes": 6.9 * gib,
+         "toggles": {"memory_budget_bytes": 7 * gib, "predicted_peak_bytes": 7 * gib}},
+        {"name": "17 GiB: 8 keep", "step_ms": {"median": 220.0}, "peak_mem_bytes": 16.0 * gib,
+         "toggles": {"memory_budget_bytes": 17 * gib, "predicted_peak_bytes": 16.5 * gib}},
+        {"name": "7 GiB search #1: 1 selective, 7 offload", "step_ms": {"median": 290.0}, "peak_mem_bytes": 6.95 * gib,
+         "toggles": {"search_budget_bytes": 7 * gib, "predicted_peak_bytes": 7 * gib}},
+        {"name": "offload x2 + prefetch everywhere (README recipe)", "step_ms": {"median": 310.0},
+         "peak_mem_bytes": 6.8 * gib}]
+    doc["derived"] = {"solver_vs_searched_7.00GiB": 300.0 / 290.0, "solver_vs_searched_17.00GiB": 1.0}
+    peer = {"scenario": "peer-unsloth", "env": {"device": "cuda", "date": "2026-01-01"},
+            "config": {"model": "qwen3-14b", "num_layers": 8, "tokens_per_step": 8192},
+            "variants": [{"name": "unsloth (double buffer on)", "step_ms": {"median": 315.0},
+                          "peak_mem_bytes": 7.0 * gib},
+                         {"name": "unsloth (checkpointing off)", "step_ms": {"median": 250.0},
+                          "peak_mem_bytes": 6.5 * gib}]}
+    other = {**peer, "config": {**peer["config"], "num_layers": 40}}
+    for rel, d in {"a/b/q.json": doc, "a/u/p.json": peer, "a/u/o.json": other, "z/u/p.json": peer}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(json.dumps(d))
+    (doc,) = results.budget_results(root=tmp_path)
+    peers = results.frontier_peers(doc, root=tmp_path)
+    assert [results.run_of(p) for p in peers] == ["a"]             # same session and shape only
+    rows = results.frontier_rows(doc, peers)
+    assert [r["name"] for r in rows if r["peer"]] == ["Unsloth (double buffer on)", "Unsloth (checkpointing off)"]
+    assert [r["searched"] for r in rows] == [None, None, 7 * gib, None, None, None]
+    got = [(c["peer"]["name"], c["multiple"], c["plan"] and c["plan"]["name"], c["speed"])
+           for c in results.frontier_vs_peers(rows)]
+    assert got == [("Unsloth (double buffer on)", 1.0, "7 GiB: 8 offload", 315.0 / 300.0),
+                   ("Unsloth (double buffer on)", 2.5, "17 GiB: 8 keep", 315.0 / 220.0),
+                   ("Unsloth (checkpointing off)", 1.0, None, None),      # 6.5 GiB: no plan peaks that low
+                   ("Unsloth (checkpointing off)", 2.5, "17 GiB: 8 keep", 250.0 / 220.0)]
+    text = report.frontier_text(doc, root=tmp_path)
+    assert "within 3.4% of the fastest measured plan" in text and "1.05x its speed" in text
+    assert "no solved plan fits" in text
+    fig = plots.plot_frontier([doc], root=tmp_path)
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert "Unsloth (checkpointing off)" in labels and any("exhaustive search" in x for x in labels)
+    (line,) = [x for x in fig.axes[0].lines if x.get_label() == "memory plan, per budget"]
+    assert len(line.get_xdata()) == 2                           # the frontier's line joins the two solved plans only
+
+
 def _chain_doc(model, kernels, steps):
     """An attribution result: ``steps`` as (name, median ms, p20, p80) or (name, None) for a step that failed."""
     variants = [{"name": n, "step_ms": {"median": m, "p20": lo, "p80": hi, "n": 5}} if m else

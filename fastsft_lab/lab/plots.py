@@ -682,15 +682,21 @@ def plot_headline(rows: Sequence[dict]):
     return fig
 
 
-def plot_frontier(docs: Sequence[dict]):
+def plot_frontier(docs: Sequence[dict], root=None):
     """Per memory-plan frontier (``results.budget_results``): step time against measured peak memory (predicted
     where none was measured), the plans joined by a line from the smallest (every layer offloaded) to keeping
     everything, the README recipe and no checkpointing as their own markers, each plan labelled with its choices."""
-    from .results import frontier_rows
+    from .results import frontier_peers, frontier_rows
     plt = _plt()
     fig, axes = plt.subplots(1, len(docs), figsize=(5.2 * len(docs), 3.6), squeeze=False)
     for ax, doc in zip(axes[0], docs, strict=True):
-        rows = [r for r in frontier_rows(doc) if r["ms"] is not None]
+        rows = [r for r in frontier_rows(doc, frontier_peers(doc, root)) if r["ms"] is not None]
+        searched = [r for r in rows if r["searched"] is not None and (r["peak"] or r["predicted"])]
+        if searched:
+            ax.plot([(r["peak"] or r["predicted"]) / 2**30 for r in searched], [r["ms"] for r in searched], ".",
+                    color=_GREY, ms=5, label="exhaustive search: next-best plans per budget")
+        for r, marker in zip((r for r in rows if r["peer"] and r["peak"]), "DPX*"):
+            ax.plot([r["peak"] / 2**30], [r["ms"]], marker, color=_RED, ms=6, alpha=0.85, label=r["name"])
         plans = [r for r in rows if r["budget"] is not None]
         x = [(r["peak"] or r["predicted"]) / 2**30 for r in plans]
         ax.plot(x, [r["ms"] for r in plans], "o-", color=_BLUE, label="memory plan, per budget")

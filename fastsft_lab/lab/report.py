@@ -321,15 +321,40 @@ def _frontier_header(doc: dict) -> str:
     c = doc["config"]
     quant = "NF4 + LoRA" if c.get("quant") == "nf4" else f"{c.get('dtype', 'bf16')} + LoRA"
     what = "" if R.plans_in(doc) > 1 else " (one budget, asked for: not a frontier)"
+    kernels = ", Liger kernels" if c.get("kernels") == "liger" else ""
     return (f"{c['model']}, {_depth(c)}, {quant} r{c.get('lora_rank')}, {c.get('tokens_per_step')} tokens/step, "
             f"autocast {c.get('autocast')}, floor: {', '.join(f'{k}={v}' for k, v in c.get('floor', {}).items())}"
-            + what)
+            + kernels + what)
 
 
-def frontier_text(doc: dict) -> str:
-    """A frontier of :func:`.results.budget_results` as text (one line per budget and reference), for notebooks."""
+def frontier_findings(doc: dict, rows: list[dict]) -> list[str]:
+    """What a frontier says against the search and the peer, one sentence each: the solver's step against the
+    fastest measured plan for its budget (``solver_vs_searched``), and per peer run its step and peak against our
+    fastest solved plan within its peak and within 2.5 times it."""
+    der = doc.get("derived", {})
+    out = []
+    searched = {k.removeprefix("solver_vs_searched_"): v for k, v in der.items() if k.startswith("solver_vs_searched_")}
+    if searched:
+        worst = max(searched.values())
+        out.append(f"Exhaustive search ({doc['config'].get('search')} next-best plans per budget by the cost model, "
+                   f"timed beside the solver's): the solver's plan is within {100 * (worst - 1):.1f}% of the fastest "
+                   f"measured plan at every budget ({', '.join(f'{k} {v:.3f}x' for k, v in searched.items())}).")
+    for c in R.frontier_vs_peers(rows):
+        p, r = c["peer"], c["plan"]
+        where = "at its own peak memory" if c["multiple"] == 1 else f"with {c['multiple']:g}x its memory"
+        head = (f"{p['name']}: {p['ms']:.1f} ms at {p['peak'] / 2**30:.2f} GiB; {where} "
+                f"({c['memory'] / 2**30:.2f} GiB) ")
+        out.append(head + ("no solved plan fits." if r is None else
+                           f"the plan {r['name']} takes {r['ms']:.1f} ms at {r['peak'] / 2**30:.2f} GiB: "
+                           f"{c['speed']:.2f}x its speed."))
+    return out
+
+
+def frontier_text(doc: dict, root=None) -> str:
+    """A frontier of :func:`.results.budget_results` as text (one line per budget, search plan, reference and peer
+    run, then :func:`frontier_findings`), for notebooks."""
     g = lambda b: f"{b / 2**30:6.1f}" if b else f"{'–':>6s}"          # noqa: E731
-    rows = R.frontier_rows(doc)
+    rows = R.frontier_rows(doc, R.frontier_peers(doc, root))
     w = max([len("plan (budget: choices)")] + [len(r["name"]) for r in rows])
     out = [f"{_frontier_header(doc)} | {R.describe_run(doc)}",
            f"  {'plan (budget: choices)':{w}s} {'step ms':>8s} {'vs recipe':>9s} {'predicted':>9s} {'peak GiB':>8s}"]
@@ -337,8 +362,9 @@ def frontier_text(doc: dict) -> str:
         if r["ms"] is None:
             out.append(f"  {r['name']:{w}s} did not run: {(r['error'] or '')[:80]}")
             continue
-        out.append(f"  {r['name']:{w}s} {r['ms']:8.1f} {r['speed']:8.2f}x {g(r['predicted']):>9s} {g(r['peak']):>8s}")
-    return "\n".join(out)
+        speed = f"{r['speed']:8.2f}x" if r["speed"] else f"{'–':>9s}"
+        out.append(f"  {r['name']:{w}s} {r['ms']:8.1f} {speed} {g(r['predicted']):>9s} {g(r['peak']):>8s}")
+    return "\n".join(out + frontier_findings(doc, rows))
 
 
 def budget_table() -> str:
@@ -350,13 +376,15 @@ def budget_table() -> str:
     for doc in docs:
         out += [f"**{_frontier_header(doc)}**\n", "| plan (budget: choices) | step ms (median) | vs recipe | "
                 "predicted peak GiB | measured peak GiB | host syncs/step |", "|---|---|---|---|---|---|"]
-        for r in R.frontier_rows(doc):
+        rows = R.frontier_rows(doc, R.frontier_peers(doc))
+        for r in rows:
             if r["ms"] is None:
                 out.append(f"| {r['name']} | did not run: {(r['error'] or '')[:80]} | | | | |")
             else:
-                out.append(f"| {r['name']} | {r['ms']:.1f} | {r['speed']:.2f}x | {g(r['predicted'])} | {g(r['peak'])} | "
+                speed = f"{r['speed']:.2f}x" if r["speed"] else "–"
+                out.append(f"| {r['name']} | {r['ms']:.1f} | {speed} | {g(r['predicted'])} | {g(r['peak'])} | "
                            f"{r['syncs'] if r['syncs'] is not None else '–'} |")
-        out.append(f"\nSource: {_source([doc])}.\n")
+        out += ["", *frontier_findings(doc, rows), f"\nSource: {_source([doc])}.\n"]
     return "\n".join(out).rstrip()
 
 
@@ -1164,7 +1192,7 @@ def write_readme(paths=DOCS) -> str:
     return ", ".join(str(p) for p in paths)
 
 
-__all__ = ["TABLES", "combined_summary", "attribution_text", "attribution_table", "PUBLISHED_STEP", "PUBLISHED_GLUE_GAIN", "config_header", "peer_text", "peer_verdict", "frontier_text",
+__all__ = ["TABLES", "combined_summary", "attribution_text", "attribution_table", "PUBLISHED_STEP", "PUBLISHED_GLUE_GAIN", "config_header", "peer_text", "peer_verdict", "frontier_text", "frontier_findings",
            "breakdown_text", "loss_curves_text", "moe_runs_text", "experts_profile_text", "offload_derived_text", "offload_overlap_text",
            "offload_vram_text", "offload_sweep_text", "offload_link_text", "packed_configs_text",
            "packed_findings_text", "packed_variants_text", "packed_regime_text", "packed_collated_text", "MOE_DEFAULT", "render", "write_readme", "write_headline_chart", "headline_rows", "headline_table", "README",

@@ -357,21 +357,35 @@ def budget_results(root=None, device_type: str | None = "cuda") -> list[dict]:
     def key(d: dict) -> tuple:
         c = d["config"]
         return (c["model"], c.get("num_layers"), c.get("tokens_per_step"), c.get("quant"), c.get("autocast", "none"),
-                plans_in(d) > 1)
+                c.get("kernels", "none"), plans_in(d) > 1)
     docs = newest_per_config(load_results("budget", root=root, device_type=device_type), key)
     return sorted(docs, key=lambda d: ("gpt-oss" in d["config"]["model"], d["config"]["model"],
                                        d["config"].get("tokens_per_step") or 0, plans_in(d) <= 1))
 
 
-def frontier_rows(doc: dict) -> list[dict]:
-    """One memory-plan frontier (``bench --only budget``) as rows: each budget's plan, then the README recipe and no
-    checkpointing, with step ms, predicted and measured peak (bytes; None where not recorded), speed against the
-    recipe ("x": higher is faster) and the error of a variant that did not run (e.g. out of memory)."""
+def frontier_peers(doc: dict, root=None) -> list[dict]:
+    """The Unsloth peer's documents (``peer-unsloth``) at a frontier's shape (model, depth, tokens per step) from the
+    frontier's own run folder (same host and batches); ``[]`` when that session ran none."""
+    shape = lambda c: (c.get("model"), c.get("num_layers"), c.get("tokens_per_step"))   # noqa: E731
+    return [d for d in load_results("peer-unsloth", root=root, device_type=None)
+            if run_of(d) == run_of(doc) and shape(d["config"]) == shape(doc["config"])]
+
+
+def frontier_rows(doc: dict, peers: Sequence[dict] = ()) -> list[dict]:
+    """One memory-plan frontier (``bench --only budget``) as rows: each budget's plan, the exhaustive search's plans
+    (``searched``: the budget they were ranked for), the README recipe and no checkpointing, then each variant of
+    ``peers`` (:func:`frontier_peers`; ``peer``: True), with step ms, predicted and measured peak (bytes; None where
+    not recorded), speed against the recipe ("x": higher is faster) and the error of a variant that did not run
+    (e.g. out of memory)."""
     recipe = next((v for v in doc["variants"] if v["name"].startswith("offload x2") and "step_ms" in v), None)
     rows = []
-    for v in doc["variants"]:
+    variants = [(v, False) for v in doc["variants"]] + [(v, True) for p in peers for v in p["variants"]]
+    for v, peer in variants:
         t = v.get("toggles", {})
-        row = {"name": v["name"], "budget": t.get("memory_budget_bytes"), "predicted": t.get("predicted_peak_bytes"),
+        row = {"name": f"Unsloth {v['name'].removeprefix('unsloth ')}" if peer else v["name"],
+               "budget": None if peer else t.get("memory_budget_bytes"),
+               "searched": None if peer else t.get("search_budget_bytes"),
+               "predicted": None if peer else t.get("predicted_peak_bytes"), "peer": peer,
                "peak": v.get("peak_mem_bytes"), "ms": v["step_ms"]["median"] if "step_ms" in v else None,
                "error": v.get("error"), "syncs": v.get("host_syncs_per_step")}
         row["speed"] = recipe["step_ms"]["median"] / row["ms"] if recipe and row["ms"] else None
@@ -379,7 +393,28 @@ def frontier_rows(doc: dict) -> list[dict]:
     return rows
 
 
-__all__ = ["attribution_results", "budget_results", "plans_in", "frontier_rows", "all_results", "load_results", "run_of", "newest_per_config", "describe_run", "build_index", "write_index",
+PEER_MEMORY_MULTIPLES = (1.0, 2.5)
+"""The memory a frontier is compared with a peer at: the peer's own peak, and 2.5 times it."""
+
+
+def frontier_vs_peers(rows: Sequence[dict]) -> list[dict]:
+    """Per peer row of :func:`frontier_rows` and per multiple of :data:`PEER_MEMORY_MULTIPLES` of its measured
+    peak: the fastest of the solver's plans (what ``apply(memory_budget=...)`` picks; not the search's) whose
+    measured peak is within that memory (``plan``: its row, None when none is) and its speed over the peer's step
+    (``speed``, higher is ours faster)."""
+    plans = [r for r in rows if r["budget"] is not None and r["ms"] and r["peak"]]
+    out = []
+    for peer in (r for r in rows if r["peer"] and r["ms"] and r["peak"]):
+        for m in PEER_MEMORY_MULTIPLES:
+            fits = [r for r in plans if r["peak"] <= m * peer["peak"]]
+            best = min(fits, key=lambda r: r["ms"]) if fits else None
+            out.append({"peer": peer, "multiple": m, "memory": m * peer["peak"], "plan": best,
+                        "speed": peer["ms"] / best["ms"] if best else None})
+    return out
+
+
+__all__ = ["attribution_results", "budget_results", "plans_in", "frontier_rows", "frontier_peers", "frontier_vs_peers",
+           "PEER_MEMORY_MULTIPLES", "all_results", "load_results", "run_of", "newest_per_config", "describe_run", "build_index", "write_index",
            "repo_results_dir", "INDEX", "step_spread", "unsettled", "UNSETTLED_SPREAD", "offload_results",
            "packed_regime", "packed_key", "packed_configs", "packed_headline", "combined_results", "newest_peak_gib", "peer_results", "PEER_OUR_VARIANTS", "experts_profile",
            "experts_profile_rows", "breakdown_results"]

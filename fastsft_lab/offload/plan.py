@@ -47,6 +47,7 @@ activations stand for it.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 import sys
@@ -347,6 +348,46 @@ def _best_plan(costs: Sequence[LayerCost], allowed: tuple, slack: int) -> tuple[
     return tuple(reversed(picked)), held, seconds
 
 
+def _with_first_reload(costs: Sequence[LayerCost]) -> list[LayerCost]:
+    """``costs`` with the last layer's ``offload_saved`` time paying its unhidden first reload."""
+    if costs and costs[-1].first_reload and "offload_saved" in costs[-1].seconds:
+        last = costs[-1]          # its backward runs first: nothing hides its reload
+        return [*costs[:-1], replace(last, seconds={**last.seconds, "offload_saved": last.seconds["offload_saved"]
+                                                    + last.first_reload})]
+    return list(costs)
+
+
+def predict(costs: Sequence[LayerCost], choices: Sequence[str], base: int, *, staging: int = 0,
+            saved_extra: int = 0) -> tuple[int, float]:
+    """The predicted peak (bytes) and decoder-layer time (seconds) of one per-layer plan: what :func:`solve`
+    minimises and bounds. The staging buffers are paid only when some layer offloads its input, ``saved_extra`` only
+    when some layer offloads its saved activations."""
+    costs = _with_first_reload(costs)
+    held = sum(c.held[x] for c, x in zip(costs, choices, strict=True))
+    peak = base + held - (0 if "offload" in choices else staging) + (saved_extra if "offload_saved" in choices else 0)
+    return peak, sum(c.seconds[x] for c, x in zip(costs, choices, strict=True))
+
+
+def ranked(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 0, saved_extra: int = 0,
+           choices: Sequence[str] = CHOICES, limit: int = 4, max_plans: int = 5**8) -> list[Plan]:
+    """Exhaustive search: the ``limit`` plans with the least predicted time among every per-layer choice that fits
+    ``budget`` (plans equal in predicted time and peak counted once: layers of one kind in another order). What
+    :func:`solve` is checked against; it enumerates ``len(choices) ** len(costs)`` plans, so it refuses more than
+    ``max_plans``."""
+    choices = [c for c in choices if all(c in cost.held and c in cost.seconds for cost in costs)]
+    if len(choices) ** len(costs) > max_plans:
+        raise ValueError(f"exhaustive search over {len(choices)} choices for {len(costs)} layers is "
+                         f"{len(choices) ** len(costs)} plans, more than {max_plans}: use fewer layers")
+    found: dict[tuple[int, float], tuple[str, ...]] = {}
+    for cs in itertools.product(choices, repeat=len(costs)):
+        peak, seconds = predict(costs, cs, base, staging=staging, saved_extra=saved_extra)
+        if peak <= budget:
+            found.setdefault((peak, round(seconds, 12)), cs)
+    best = sorted(found.items(), key=lambda kv: (kv[0][1], kv[0][0]))[:limit]
+    tokens = costs[0].tokens if costs else 0
+    return [Plan(cs, budget, peak, seconds, tokens) for (peak, seconds), cs in best]
+
+
 def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 0, saved_extra: int = 0,
           choices: Sequence[str] = CHOICES) -> Plan:
     """The per-layer choices with the least predicted time whose predicted peak fits ``budget`` bytes, exactly.
@@ -371,10 +412,7 @@ def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 
         raise BudgetError(f"memory_budget {_size(budget)} is below the smallest plan's peak "
                           f"({_size(base)}, every layer offloaded): give at least {_size(base)}")
     choices = [c for c in choices if all(c in cost.held and c in cost.seconds for cost in costs)]
-    if costs and costs[-1].first_reload and "offload_saved" in costs[-1].seconds:
-        last = costs[-1]          # its backward runs first: nothing hides its reload
-        costs = [*costs[:-1], replace(last, seconds={**last.seconds, "offload_saved": last.seconds["offload_saved"]
-                                                     + last.first_reload})]
+    timed = _with_first_reload(costs)
     best: Plan | None = None
     # four cases: some layer offloads its input (the staging buffers are paid) or none does (they are not); some
     # layer offloads its saved activations (the prefetched layer's activations are paid) or none does
@@ -384,12 +422,11 @@ def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 
             slack = budget - base + (0 if offloads else staging) - (saved_extra if saves else 0)
             if not allowed or slack < 0:
                 continue
-            found = _best_plan(costs, allowed, slack)
+            found = _best_plan(timed, allowed, slack)
             if found is None:
                 continue
-            cs_, held, seconds = found
-            peak = (base + held - (0 if "offload" in cs_ else staging)
-                    + (saved_extra if "offload_saved" in cs_ else 0))
+            cs_, _, seconds = found
+            peak, _ = predict(costs, cs_, base, staging=staging, saved_extra=saved_extra)
             plan = Plan(cs_, budget, peak, seconds, costs[0].tokens if costs else 0)
             if best is None or (plan.seconds, plan.peak) < (best.seconds, best.peak):
                 best = plan
@@ -600,6 +637,14 @@ class MemoryPlanner:
 
     def solve(self, tokens: int, budget: int | None = None) -> Plan:
         """The plan for ``tokens`` tokens under ``budget`` bytes (default: this planner's budget)."""
+        if budget is None:
+            budget = self.budget if self.ceiling is None else min(self.budget, self.ceiling)
+        return solve(budget=budget, **self.problem(tokens))
+
+    def problem(self, tokens: int) -> dict:
+        """What :func:`solve` (and :func:`ranked`, :func:`predict`) take at ``tokens`` tokens, but the budget: the
+        layers' costs, the smallest plan's peak, the staging buffers, what ``offload_saved`` adds, the choices this
+        GPU and host allow."""
         costs = [self.costs[k].at(tokens) for k in self.kinds]
         worst = max(c.held["keep"] for c in costs)
         choices = CHOICES
@@ -609,11 +654,8 @@ class MemoryPlanner:
             choices = tuple(c for c in CHOICES if c != "offload_saved")
         if self.unified:     # "host" memory is the GPU's own: an offloaded byte is still a used byte
             choices = tuple(c for c in choices if c not in ("offload", "offload_saved"))
-        if budget is None:
-            budget = self.budget if self.ceiling is None else min(self.budget, self.ceiling)
-        return solve(costs, budget, self.base(tokens),
-                     staging=int(math.ceil(self.staging * tokens / self.tokens)),
-                     saved_extra=self._saved_extra(worst), choices=choices)
+        return {"costs": costs, "base": self.base(tokens), "staging": int(math.ceil(self.staging * tokens / self.tokens)),
+                "saved_extra": self._saved_extra(worst), "choices": choices}
 
     def _saved_extra(self, worst: int) -> int:
         """What ``offload_saved`` layers hold beyond the smallest plan's peak (one layer recomputed at a time):
@@ -784,7 +826,7 @@ def _read_state(model: nn.Module) -> dict:
 register_state_reader("memory_plan", _read_state)
 
 __all__ = ["CHOICES", "saved_ops", "SAVED_OPS", "LayerCost", "Plan", "BudgetError", "MemoryPlanner", "measure_layer",
-           "solve",
+           "solve", "predict", "ranked",
            "selective_checkpoint", "full_checkpoint", "parse_budget", "allocator_ceiling", "check_budget_floor",
            "enable_memory_plan", "disable_memory_plan",
            "memory_planner", "set_plan", "layer_kinds"]

@@ -47,6 +47,13 @@ class BudgetOptions:
                            "spread includes the preset's target budget (TARGETS_GIB) where it falls inside")
     fused_dequant: bool = option(False, kind="bool", help="the floor also dequantises NF4 in one kernel "
                                  "(fastsft_lab.dequant; quant=nf4 only)")
+    kernels: str = option("none", kind="str", help="none, or liger: the fast-kernel floor (Liger's RMSNorm, SwiGLU "
+                          "and RoPE; CUDA)")
+    batches: int = option(2, kind="int", help="distinct batches per token count, cycled (the Unsloth peer's "
+                          "UNSLOTH_PEER_STEPS exports the same ones)")
+    search: int = option(0, kind="int", help="also time, per budget, the plans the cost model ranks next to the "
+                         "solver's in an exhaustive search over every layer's choices (at most 8 layers): the "
+                         "solver's plan against the fastest measured")
     steps: int = option(5, kind="int", help="measured steps per variant")
     warmup: int = option(2, kind="int", help="warm-up steps per variant")
 
@@ -62,6 +69,9 @@ class BudgetOptions:
 TARGETS_GIB = {"qwen3-14b": 80, "gpt-oss-20b": 64}
 """The issue's target budgets (an 80 GB card for Qwen3-14B x40; 64 GiB for GPT-OSS-20B x24): added to the even
 spread wherever they fall inside it."""
+
+SEARCH_LAYERS = 8
+"""The most layers ``search`` enumerates (5 choices each: 390,625 plans)."""
 
 USABLE = 0.9
 """The share of a GPU's free memory the frontier goes up to (what ``apply(memory_budget="90%")`` gives)."""
@@ -119,8 +129,24 @@ def _plan_variant(plan: P.Plan, costs: dict) -> Variant:
     counts = ", ".join(f"{n} {c}" for c, n in plan.counts().items())
     return Variant(f"{size(plan.budget)}: {counts}", enable=enable, disable=disable, inputs=_inputs,
                    toggles={"memory_budget_bytes": plan.budget, "plan": list(plan.choices),
-                            "predicted_peak_bytes": plan.peak},
+                            "predicted_peak_bytes": plan.peak, "predicted_layer_seconds": plan.seconds},
                    note="the plan apply(memory_budget=...) solves for this budget, run as a fixed plan")
+
+
+def _searched_variant(plan: P.Plan, rank: int, costs: dict) -> Variant:
+    """The ``rank``-th fastest plan (by the cost model) for ``plan.budget`` other than the solver's, as a fixed plan."""
+    def enable(model):
+        toggles.apply(model, memory_budget=_gib(plan.budget))
+        P.memory_planner(model).costs.update(costs)
+        P.set_plan(model, plan.choices)
+
+    counts = ", ".join(f"{n} {c}" for c, n in plan.counts().items())
+    return Variant(f"{size(plan.budget)} search #{rank}: {counts}", enable=enable,
+                   disable=lambda m: toggles.apply(m, memory_budget="off"), inputs=_inputs,
+                   toggles={"search_budget_bytes": plan.budget, "search_rank": rank, "plan": list(plan.choices),
+                            "predicted_peak_bytes": plan.peak, "predicted_layer_seconds": plan.seconds},
+                   note="the exhaustive search's next-fastest plan for this budget (by the cost model), against "
+                        "the solver's")
 
 
 def _offload_saved_everywhere(layers: int) -> Variant:
@@ -166,17 +192,25 @@ def _references(device: torch.device, layers: int, activation_bytes: int) -> lis
 
 
 def derived(rows: list[dict]) -> dict:
-    """Each plan's step against the README recipe's, and its measured peak against its predicted one (CUDA)."""
+    """Each plan's step against the README recipe's, its measured peak against its predicted one (CUDA), and, where
+    the search ran, the solver's step against the fastest measured plan for its budget (``solver_vs_searched``:
+    1.0 when the solver's was the fastest; above it by how much a searched plan was faster)."""
     recipe = next((r for r in rows if r["name"].startswith("offload x2") and "step_ms" in r), None)
     out: dict = {}
     for r in rows:
         if "memory_budget_bytes" not in r.get("toggles", {}) or "step_ms" not in r:
             continue
-        key = size(r["toggles"]["memory_budget_bytes"]).replace(" ", "")
+        budget = r["toggles"]["memory_budget_bytes"]
+        key = size(budget).replace(" ", "")
+        ms = r["step_ms"]["median"]
         if recipe is not None:
-            out[f"speedup_vs_recipe_{key}"] = recipe["step_ms"]["median"] / r["step_ms"]["median"]
+            out[f"speedup_vs_recipe_{key}"] = recipe["step_ms"]["median"] / ms
         if r.get("peak_mem_bytes"):
             out[f"peak_over_predicted_{key}"] = r["peak_mem_bytes"] / r["toggles"]["predicted_peak_bytes"]
+        searched = [x["step_ms"]["median"] for x in rows
+                    if x.get("toggles", {}).get("search_budget_bytes") == budget and "step_ms" in x]
+        if searched:
+            out[f"solver_vs_searched_{key}"] = ms / min([ms, *searched])
     return out
 
 
@@ -199,6 +233,18 @@ class BudgetScenario(Scenario):
             raise OptionError(f"tokens must be >= 16 each, got {opts.tokens}")
         if opts.fused_dequant and opts.quant != "nf4":
             raise OptionError(f"fused_dequant needs quant=nf4 (QLoRA), got quant={opts.quant}")
+        if opts.kernels not in ("none", "liger"):
+            raise OptionError(f"kernels must be none or liger, got {opts.kernels!r}")
+        if opts.kernels == "liger" and device.type != "cuda":
+            raise OptionError("kernels=liger needs a CUDA GPU (Liger-Kernel is Triton)")
+        if opts.batches < 1 or opts.search < 0:
+            raise OptionError(f"batches must be >= 1 and search >= 0, got batches={opts.batches}, "
+                              f"search={opts.search}")
+        layers = opts.num_layers or (PRESETS[opts.preset].config.get("num_hidden_layers", 0)
+                                     if opts.preset in PRESETS else 0)
+        if opts.search and layers > SEARCH_LAYERS:
+            raise OptionError(f"search enumerates every layer's choices: at most {SEARCH_LAYERS} layers, got "
+                              f"{layers} (set num_layers)")
 
     def run(self, opts, *, device: torch.device, out_dir: str, progress: bool = True) -> list[dict]:
         dtype = getattr(torch, opts.dtype)
@@ -212,11 +258,16 @@ class BudgetScenario(Scenario):
             floor["moe_routing"] = "sync_free"              # an MoE model's floor routes its experts sync-free
         if opts.fused_dequant:
             floor["fused_dequant"] = True
+        extra = {}
+        if opts.kernels == "liger":
+            from .combined import apply_liger
+            extra = apply_liger(model, PRESETS[opts.preset].family)
         toggles.apply(model, **floor)
         results = []
         for tokens in opts.tokens:
             batches = [b.to(device) for b in benchmark_batches(tokens_per_step=tokens, row_tokens=opts.row_tokens,
-                                                               steps=2, vocab_size=model.config.vocab_size)]
+                                                               steps=opts.batches,
+                                                               vocab_size=model.config.vocab_size)]
             planner = calibrate(model, batches[0], opts.autocast)
             costs, base, staging = dict(planner.costs), planner.base(tokens), planner.staging
             full = [planner.costs[k].at(tokens) for k in planner.kinds]
@@ -229,7 +280,8 @@ class BudgetScenario(Scenario):
             target = TARGETS_GIB.get(opts.preset)
             if not opts.budgets and target is not None and base <= target * P.GiB <= top:
                 budgets = sorted({*budgets, target * P.GiB})
-            plans, seen = [], set()
+            plans, seen, searched = [], set(), []
+            problem = planner.problem(tokens)
             for b in budgets:
                 try:
                     plan = planner.solve(tokens, budget=b)         # what apply(memory_budget=b) would solve
@@ -239,13 +291,19 @@ class BudgetScenario(Scenario):
                 if plan.choices not in seen:
                     seen.add(plan.choices)
                     plans.append(plan)
-            variants = with_autocast([*(_plan_variant(p, costs) for p in plans),
+                    if opts.search:
+                        found = P.ranked(budget=b, limit=opts.search + 1, **problem)
+                        others = [p for p in found if (p.peak, round(p.seconds, 12))
+                                  != (plan.peak, round(plan.seconds, 12))][:opts.search]
+                        searched += [_searched_variant(p, i + 1, costs) for i, p in enumerate(others)]
+            variants = with_autocast([*(_plan_variant(p, costs) for p in plans), *searched,
                                       *_references(device, len(planner.kinds), sum(c.pinned for c in full))],
                                      opts.autocast)
             rows = run_variants(model, batches, variants, steps=opts.steps, warmup=opts.warmup,
                                 progress=progress, label=f"budget {tokens}")
             config = {"model": opts.preset, "num_layers": opts.num_layers or model.config.num_hidden_layers,
                       "quant": opts.quant, "lora_rank": opts.lora_rank, "floor": floor, "autocast": opts.autocast,
+                      "kernels": opts.kernels, **extra, "batches": opts.batches, "search": opts.search,
                       "tokens_per_step": tokens, "row_tokens": opts.row_tokens, "steps": opts.steps,
                       "warmup": opts.warmup, "predicted_smallest_peak_bytes": base,
                       "predicted_keep_all_peak_bytes": keep_all,
