@@ -82,7 +82,8 @@ run_stage() {
     soak)
       timeout -s INT "$limit" python3 benchmarks/soak.py --out "$R/soak" ${SOAK_ARGS:-} > "$log" 2>&1 ;;
     unsloth)
-      log="$R/logs/unsloth-${UNSLOTH_PEER_MODEL:-qwen3-14b}.log"   # one log per peer model (two models in one call)
+      # one log per peer model and checkpointing setting (several in one call)
+      log="$R/logs/unsloth-${UNSLOTH_PEER_MODEL:-qwen3-14b}${UNSLOTH_PEER_CHECKPOINTING:+-ck$UNSLOTH_PEER_CHECKPOINTING}.log"
       timeout -s INT "$limit" bash benchmarks/unsloth_peer.sh "$R/unsloth" > "$log" 2>&1 ;;
     *)
       echo "unknown stage $stage" | tee -a "$log"; return 2 ;;

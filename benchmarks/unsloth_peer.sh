@@ -23,7 +23,9 @@
 # packing being blocklisted for gpt_oss; packed: the export's rows, its segments attending across a row; Qwen3:
 # packed only), UNSLOTH_PEER_STEPS (6 batches = measured steps), UNSLOTH_PEER_WARMUP (2; the padded layout adds
 # warmup steps until every batch shape has run once),
-# UNSLOTH_PEER_DB ("on off": which double-buffer settings run, in order), UNSLOTH_PEER_MIX (realistic), UNSLOTH_PEER_RANK (16), UNSLOTH_PEER_REUSE=1 (keep a complete earlier export),
+# UNSLOTH_PEER_DB ("on off": which double-buffer settings run, in order), UNSLOTH_PEER_CHECKPOINTING (unsloth:
+# use_gradient_checkpointing="unsloth", the default; off: False, every activation kept, results named ...-ckoff-db*;
+# set UNSLOTH_PEER_DB=on with it, the double buffer has nothing to do then), UNSLOTH_PEER_MIX (realistic), UNSLOTH_PEER_RANK (16), UNSLOTH_PEER_REUSE=1 (keep a complete earlier export),
 # UNSLOTH_PEER_KEEP=1 (keep the exported weights afterwards; default: deleted, they are ~8 GB for Qwen3-14B x8,
 # ~39 GiB for GPT-OSS-20B x24), UNSLOTH_PEER_EXPORT_DIR (/tmp/unsloth-peer; for GPT-OSS /dev/shm/unsloth-peer-moe when
 # /dev/shm has 48 GiB free, else /tmp/unsloth-peer-moe), UNSLOTH_WHEELS
@@ -77,6 +79,12 @@ EXPORT_MAX=${UNSLOTH_PEER_EXPORT_TIMEOUT:-$EXPORT_MAX_DEFAULT}
 EXPORT_DIR=${UNSLOTH_PEER_EXPORT_DIR:-/tmp/unsloth-peer}
 STEM="unsloth-${MODEL}-L${LAYERS}-${TOKENS}"
 [ "$FAMILY" = gpt_oss ] && STEM="$STEM-$LAYOUT"
+CKPT=${UNSLOTH_PEER_CHECKPOINTING:-unsloth}
+case "$CKPT" in
+  unsloth) ;;
+  off) STEM="$STEM-ckoff" ;;
+  *) echo "UNSLOTH_PEER_CHECKPOINTING must be unsloth or off, got '$CKPT'" >&2; exit 2 ;;
+esac
 OUR_PYTHONPATH=${PYTHONPATH:-$PWD}
 START=$SECONDS
 INTERRUPTED=0
@@ -91,7 +99,8 @@ out_of() { echo "$R/$STEM-db$1.json"; }
 fail_run() {
   local db=$1 msg=$2 out E="stage script: writing the error result failed"
   out=$(out_of "$db")
-  PYTHONPATH="$SITE:$PWD" "$PY" -m "$PEER" error-json --out "$out" --double-buffer "$db" --message "$msg" \
+  PYTHONPATH="$SITE:$PWD" "$PY" -m "$PEER" error-json --out "$out" --double-buffer "$db" --checkpointing "$CKPT" \
+    --message "$msg" \
     || printf '{"scenario": "peer-unsloth", "env": {}, "config": {}, "error": "%s",
   "variants": [{"name": "unsloth (double buffer %s)", "error": "%s"}]}\n' "$E" "$db" "$E" > "$out"
 }
@@ -170,7 +179,8 @@ for db in $DBS; do
     HF_DATASETS_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1 UNSLOTH_COMPILE_LOCATION=/tmp/unsloth_compiled_cache \
     TOKENIZERS_PARALLELISM=false UNSLOTH_PEER_TIMEOUT_S="$t" \
     timeout --foreground -s INT -k 30 "$t" "$PY" -m "$PEER" run --dir "$EXPORT_DIR" --out "$out" \
-    --double-buffer "$db" --warmup "$WARMUP" --layout "$LAYOUT" ${UNSLOTH_PEER_RUN_ARGS:-} > "$logf" 2>&1
+    --double-buffer "$db" --checkpointing "$CKPT" --warmup "$WARMUP" --layout "$LAYOUT" ${UNSLOTH_PEER_RUN_ARGS:-} \
+    > "$logf" 2>&1
   rc=$?
   if ! grep -q '"scenario"' "$out" 2>/dev/null; then
     why=$(last_line "$logf")

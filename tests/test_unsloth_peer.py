@@ -192,6 +192,20 @@ def test_stage_script_writes_an_error_result_per_run_when_it_cannot_start(tmp_pa
         assert f"unsloth (double buffer {db}): ERROR: stage script: no " in proc.stdout
 
 
+def test_stage_script_runs_unsloth_with_checkpointing_off_under_its_own_name(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "UNSLOTH_WHEELS": str(tmp_path / "no-wheels"),
+           "UNSLOTH_PEER_MODEL": "tiny-qwen3", "UNSLOTH_PEER_LAYERS": "2", "UNSLOTH_PEER_TOKENS": "256",
+           "UNSLOTH_PEER_DB": "on", "UNSLOTH_PEER_CHECKPOINTING": "off", "HOME": str(tmp_path)}
+    proc = subprocess.run(["bash", "benchmarks/unsloth_peer.sh", str(tmp_path / "res")], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    doc = json.loads((tmp_path / "res" / "unsloth-tiny-qwen3-L2-256-ckoff-dbon.json").read_text())
+    assert doc["variants"][0]["name"] == "unsloth (checkpointing off)"
+    bad = subprocess.run(["bash", "benchmarks/unsloth_peer.sh", str(tmp_path / "res2")], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT, env={**env, "UNSLOTH_PEER_CHECKPOINTING": "False"})
+    assert bad.returncode == 2 and "UNSLOTH_PEER_CHECKPOINTING must be unsloth or off, got 'False'" in bad.stderr
+
+
 # --- GPT-OSS ---------------------------------------------------------------------------------------------------------
 GPT_TOKENS, GPT_ROW, GPT_LAYERS = 512, 256, 2
 

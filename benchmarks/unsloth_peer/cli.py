@@ -47,7 +47,8 @@ def _cli_run(args) -> int:
             tb = traceback.format_exc()
             print(tb, flush=True)
         try:
-            write_json(args.out, error_result(ctx, message, args.double_buffer, args.seq_lengths_device, tb))
+            write_json(args.out, error_result(ctx, message, args.double_buffer, args.seq_lengths_device, tb,
+                                              args.checkpointing))
         except Exception as w:  # noqa: BLE001
             message += f" (and the error JSON could not be written: {w})"
         print(f"unsloth_peer run: error: {message}", file=sys.stderr, flush=True)
@@ -127,6 +128,7 @@ def parser() -> argparse.ArgumentParser:
     er.add_argument("--out", required=True)
     er.add_argument("--message", required=True)
     er.add_argument("--double-buffer", choices=("on", "off"), default="on")
+    er.add_argument("--checkpointing", choices=tuple(CHECKPOINTING), default="unsloth")
     er.add_argument("--stage", default="stage script")
     sm = sub.add_parser("summary", help="one line per result JSON")
     sm.add_argument("paths", nargs="+")
@@ -141,7 +143,7 @@ def main(argv=None) -> int:
         return _cli_run(args)
     if args.cmd == "error-json":
         write_json(args.out, error_result({"stage": args.stage}, one_line(args.message), args.double_buffer,
-                                          "cpu", None))
+                                          "cpu", None, args.checkpointing))
         return 0
     lines = [summary_line(path) for path in args.paths]
     print("\n".join(lines), flush=True)

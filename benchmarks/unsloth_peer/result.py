@@ -161,7 +161,8 @@ def run_config(meta: dict, raw: list[dict], folder: str, *, double_buffer: str, 
 
 
 
-def error_result(ctx: dict, message: str, double_buffer: str, lengths_device: str, tb: str | None) -> dict:
+def error_result(ctx: dict, message: str, double_buffer: str, lengths_device: str, tb: str | None,
+                 checkpointing: str = "unsloth") -> dict:
     env = ctx.get("env")
     if not env:
         torch = sys.modules.get("torch")
@@ -171,7 +172,7 @@ def error_result(ctx: dict, message: str, double_buffer: str, lengths_device: st
             env = environment(torch)
         except Exception:  # noqa: BLE001 - the error result must be written whatever else fails
             env = environment(None)
-    variant = {"name": variant_name(double_buffer), "error": message, "stage": ctx.get("stage"),
+    variant = {"name": variant_name(double_buffer, checkpointing), "error": message, "stage": ctx.get("stage"),
                "toggles": ctx.get("toggles") or variant_toggles("qwen3", double_buffer, lengths_device),
                "note": "failed: " + message, "completed_steps": ctx.get("completed_steps", 0)}
     if ctx.get("model"):
