@@ -13,6 +13,7 @@ import torch
 
 import fastsft_lab
 from fastsft_lab.data import benchmark_batches
+from fastsft_lab.lab.scenarios.budget import ranked
 from fastsft_lab.models import LoraSettings, build_model, decoder_layers
 from fastsft_lab.offload import plan as P
 
@@ -258,7 +259,7 @@ def test_solver_equals_exhaustive_search(seed):
 
 @pytest.mark.parametrize("seed", range(8))
 def test_ranked_search_is_the_exhaustive_search_and_solve_is_its_first(seed):
-    """``ranked`` (what the budget scenario measures the solver against) enumerates every plan: its first is the
+    """The budget scenario's ``ranked`` (what it measures the solver against) enumerates every plan: its first is the
     independent search's best and :func:`solve`'s; the rest fit, in order, each a different (peak, time); a last layer
     that pays a first reload is priced as :func:`solve` prices it."""
     rng = random.Random(100 + seed)
@@ -268,7 +269,7 @@ def test_ranked_search_is_the_exhaustive_search_and_solve_is_its_first(seed):
     costs[-1] = dataclasses.replace(costs[-1], first_reload=rng.uniform(0, 1))
     base, staging, saved_extra = 1000, 200, 50
     budget = base + rng.randint(200 * n, sum(c.held["keep"] for c in costs) + saved_extra)
-    plans = P.ranked(costs, budget, base, staging=staging, saved_extra=saved_extra, limit=5)
+    plans = ranked(costs, budget, base, staging=staging, saved_extra=saved_extra, limit=5)
     timed = [*costs[:-1], dataclasses.replace(costs[-1], seconds={**costs[-1].seconds, "offload_saved":
                                               costs[-1].seconds["offload_saved"] + costs[-1].first_reload})]
     best = _exhaustive(timed, budget, base, staging, saved_extra)
@@ -284,7 +285,7 @@ def test_ranked_search_is_the_exhaustive_search_and_solve_is_its_first(seed):
 
 def test_ranked_refuses_a_search_too_large_to_enumerate():
     with pytest.raises(ValueError, match="more than 390625: use fewer layers"):
-        P.ranked([_cost(4, 2, 1)] * 9, 10**9, 0)
+        ranked([_cost(4, 2, 1)] * 9, 10**9, 0)
 
 
 def test_solver_uses_the_whole_budget_to_the_byte():

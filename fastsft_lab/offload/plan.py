@@ -21,11 +21,10 @@ RNG state replayed), so any mix of them is exact.
 
 How a plan is made (:class:`MemoryPlanner`, switched on by ``apply(model, memory_budget=...)``):
 
-1. step 1 runs with every layer offloaded -- the smallest plan, so it fits wherever any plan fits. On the first
-   call of each kind of layer (full and sliding-window attention differ) the layer is measured on the step's own
-   input, outside the step: the time of its forward + backward under each choice, the bytes each choice holds from
-   forward to backward, and the host-link time of its input (:func:`measure_layer`). The step's peak memory is read
-   at its end (CUDA).
+1. step 1 runs with every layer offloaded (the smallest plan: it fits wherever any plan fits). The first call of
+   each kind of layer (full and sliding-window attention differ) is measured on the step's own input, outside the
+   step: each choice's forward + backward time and bytes held to the backward, and the host-link time of its input
+   (:func:`measure_layer`). The step's peak memory is read at its end (CUDA).
 2. at the start of step 2 the plan is solved (:func:`solve`): the per-layer choices that minimise the predicted
    step time with ``peak(all offloaded) + sum(bytes held per layer) <= budget``, exactly (a dynamic programme over
    the layers). It is logged and shown by :func:`fastsft_lab.state`.
@@ -35,25 +34,22 @@ How a plan is made (:class:`MemoryPlanner`, switched on by ``apply(model, memory
 On a GPU that shares the host's memory (GB10, Jetson) the plan offloads nothing: a byte moved to "host" memory is
 still a byte of the same memory (the allocator's counters would not see it).
 
-What the prediction leaves out: the optimizer's state when step 1 ran before the first ``optimizer.step()`` (it
-adds ``optimizer_bytes_per_param`` bytes, 8 = Adam in float32, per trainable parameter), and the allocator's own
-slack (memory reserved but not allocated: block rounding and fragmentation). For that, on CUDA the plan never
-spends more than the memory this process can reach at step 2 (its reserve plus the device's free memory) less step
-1's slack (:func:`allocator_ceiling`): a budget near the device's size (``"100%"``) is solved under that ceiling, and
-``state(model)`` says so. On a CPU the peak of step 1 is not measured: the model's own bytes and the largest layer's
-activations stand for it.
+The prediction adds the optimizer's state where step 1 ran before the first ``optimizer.step()``
+(``optimizer_bytes_per_param``, 8 = Adam in float32); it leaves out the allocator's slack (block rounding,
+fragmentation), so on CUDA a plan never spends more than this process can reach at step 2 less step 1's slack
+(:func:`allocator_ceiling`; ``state(model)`` says when a budget was solved under it). On a CPU step 1's peak is not
+measured: the model's own bytes and the largest layer's activations stand for it.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import math
 import sys
 import time
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -66,13 +62,12 @@ from ..model_state import register_state_reader
 from .pool import host_memory_available
 from .saved import MIN_BYTES as SAVED_MIN_BYTES
 from .saved import SavedOffload
+from .solver import CHOICES, BudgetError, GiB, LayerCost, Plan, _size, predict, solve
 from .switch import (disable_offloaded_checkpointing, displaced_layers, enable_offloaded_checkpointing,
                      resolve_device, unified_memory)
 
 logger = logging.getLogger(__name__)
 
-CHOICES = ("keep", "selective", "checkpoint", "offload", "offload_saved")
-GiB = 1 << 30
 
 # The ops whose outputs the selective choice saves: the matmuls and attention kernels (the expensive part of a layer,
 # recomputing them costs as much as the forward). Everything else (norms, rotary, activations, residual adds,
@@ -104,10 +99,6 @@ def _saved_ops(imported: tuple[bool, ...]) -> frozenset:
     return SAVED_OPS.union(extra)
 
 
-def _size(b: float) -> str:
-    return f"{b / GiB:.2f} GiB" if b >= GiB / 100 else f"{b / 2**20:.1f} MiB"
-
-
 @functools.lru_cache(maxsize=None)
 def _policy(unsaved: frozenset, saved: frozenset) -> Callable:
     def save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -135,44 +126,6 @@ def full_checkpoint(function: Callable, *args, **kwargs) -> Any:
 
 
 # -- measuring one layer ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class LayerCost:
-    """What one kind of decoder layer costs under each choice, at ``tokens`` tokens.
-
-    ``seconds[c]``: forward + backward under choice ``c`` (for ``offload``: the checkpoint's time plus the reload
-    and the store that the double buffer cannot hide). ``held[c]``: bytes kept on the GPU from the layer's forward
-    to its backward. Both grow with the tokens: :meth:`at` scales them linearly (the packed backends' attention
-    memory is linear in tokens)."""
-
-    kind: str
-    tokens: int
-    seconds: dict[str, float]
-    held: dict[str, int]
-    unsaved: frozenset = frozenset()      # saved_ops() the layer changes in place: recomputed by ``selective``
-    # the two readings ``held["keep"]`` is the larger of: "saved" (what autograd's saved-tensor hooks saw) and, on
-    # CUDA, "allocated" (memory_allocated after the forward, less the output): reported, so a prediction that misses
-    # says which reading it came from; and "pinned", the host memory offload_saved pins for the layer (each
-    # allocation rounded up to a power of two by torch's pinned allocator)
-    readings: dict = field(default_factory=dict)
-    # offload_saved in the layer whose backward runs first (the last layer): its reload has no later layer's backward
-    # to hide behind, so the part of it the other layers hide is paid here (seconds)
-    first_reload: float = 0.0
-
-    @property
-    def pinned(self) -> int:
-        """Host bytes the layer's saved activations take in pinned memory (offload_saved)."""
-        return self.readings.get("pinned", self.held["keep"])
-
-    def at(self, tokens: int) -> "LayerCost":
-        if tokens == self.tokens:
-            return self
-        r = tokens / self.tokens
-        return replace(self, tokens=tokens, seconds={c: s * r for c, s in self.seconds.items()},
-                       held={c: int(math.ceil(b * r)) for c, b in self.held.items()},
-                       readings={k: int(math.ceil(b * r)) for k, b in self.readings.items()},
-                       first_reload=self.first_reload * r)
-
-
 class _SavedBytes:
     """Counts, during one forward, the bytes autograd saves (unique storages, parameters left out) and the bytes of
     the outputs of the ops the selective choice saves."""
@@ -297,142 +250,6 @@ def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Te
     held = {"keep": keep, "selective": selective, "checkpoint": in_bytes, "offload": 0,
             "offload_saved": sum(b for b in small_saved if b < SAVED_MIN_BYTES)}
     return LayerCost(kind, int(x.shape[:-1].numel()), seconds, held, unsaved, readings, first_reload)
-
-
-# -- solving the plan ------------------------------------------------------------------------------------------------
-class BudgetError(ValueError):
-    """The budget cannot be met by any plan (the message names the smallest budget that works)."""
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One choice per decoder layer, with what it was predicted to cost."""
-
-    choices: tuple[str, ...]
-    budget: int                  # bytes
-    peak: int                    # predicted peak bytes of a step
-    seconds: float               # predicted decoder-layer time of a step (forward + backward)
-    tokens: int
-    by_hand: bool = False        # set by :func:`set_plan`, not solved
-
-    def counts(self) -> dict[str, int]:
-        return {c: self.choices.count(c) for c in CHOICES if c in self.choices}
-
-    def describe(self) -> str:
-        parts = ", ".join(f"{n} {c}" for c, n in self.counts().items())
-        if self.by_hand:
-            return f"{parts} (set by hand)"
-        return (f"{parts} (predicted peak {_size(self.peak)} of {_size(self.budget)} at {self.tokens} "
-                f"tokens, layers {self.seconds * 1e3:.0f} ms)")
-
-
-def _best_plan(costs: Sequence[LayerCost], allowed: tuple, slack: int) -> tuple[tuple, int, float] | None:
-    """The least-time choices among ``allowed`` holding at most ``slack`` bytes: (choices, bytes, seconds)."""
-    # front: (bytes held, seconds, choices as a linked list (previous, choice)), bytes ascending and seconds
-    # strictly descending
-    front: list[tuple[int, float, Any]] = [(0, 0.0, None)]
-    for cost in costs:
-        options = [(cost.held[c], cost.seconds[c], c) for c in allowed]
-        cand = sorted((b + w, t + s, (cs, c)) for b, t, cs in front for w, s, c in options if b + w <= slack)
-        front = []
-        for b, t, cs in cand:
-            if not front or t < front[-1][1]:
-                front.append((b, t, cs))
-        if not front:
-            return None
-    held, seconds, node = front[-1]               # the most bytes that fit buy the least time
-    picked: list[str] = []
-    while node is not None:
-        node, c = node
-        picked.append(c)
-    return tuple(reversed(picked)), held, seconds
-
-
-def _with_first_reload(costs: Sequence[LayerCost]) -> list[LayerCost]:
-    """``costs`` with the last layer's ``offload_saved`` time paying its unhidden first reload."""
-    if costs and costs[-1].first_reload and "offload_saved" in costs[-1].seconds:
-        last = costs[-1]          # its backward runs first: nothing hides its reload
-        return [*costs[:-1], replace(last, seconds={**last.seconds, "offload_saved": last.seconds["offload_saved"]
-                                                    + last.first_reload})]
-    return list(costs)
-
-
-def predict(costs: Sequence[LayerCost], choices: Sequence[str], base: int, *, staging: int = 0,
-            saved_extra: int = 0) -> tuple[int, float]:
-    """The predicted peak (bytes) and decoder-layer time (seconds) of one per-layer plan: what :func:`solve`
-    minimises and bounds. The staging buffers are paid only when some layer offloads its input, ``saved_extra`` only
-    when some layer offloads its saved activations."""
-    costs = _with_first_reload(costs)
-    held = sum(c.held[x] for c, x in zip(costs, choices, strict=True))
-    peak = base + held - (0 if "offload" in choices else staging) + (saved_extra if "offload_saved" in choices else 0)
-    return peak, sum(c.seconds[x] for c, x in zip(costs, choices, strict=True))
-
-
-def ranked(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 0, saved_extra: int = 0,
-           choices: Sequence[str] = CHOICES, limit: int = 4, max_plans: int = 5**8) -> list[Plan]:
-    """Exhaustive search: the ``limit`` plans with the least predicted time among every per-layer choice that fits
-    ``budget`` (plans equal in predicted time and peak counted once: layers of one kind in another order). What
-    :func:`solve` is checked against; it enumerates ``len(choices) ** len(costs)`` plans, so it refuses more than
-    ``max_plans``."""
-    choices = [c for c in choices if all(c in cost.held and c in cost.seconds for cost in costs)]
-    if len(choices) ** len(costs) > max_plans:
-        raise ValueError(f"exhaustive search over {len(choices)} choices for {len(costs)} layers is "
-                         f"{len(choices) ** len(costs)} plans, more than {max_plans}: use fewer layers")
-    found: dict[tuple[int, float], tuple[str, ...]] = {}
-    for cs in itertools.product(choices, repeat=len(costs)):
-        peak, seconds = predict(costs, cs, base, staging=staging, saved_extra=saved_extra)
-        if peak <= budget:
-            found.setdefault((peak, round(seconds, 12)), cs)
-    best = sorted(found.items(), key=lambda kv: (kv[0][1], kv[0][0]))[:limit]
-    tokens = costs[0].tokens if costs else 0
-    return [Plan(cs, budget, peak, seconds, tokens) for (peak, seconds), cs in best]
-
-
-def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 0, saved_extra: int = 0,
-          choices: Sequence[str] = CHOICES) -> Plan:
-    """The per-layer choices with the least predicted time whose predicted peak fits ``budget`` bytes, exactly.
-
-    A dynamic programme over the layers keeps, after each layer, the Pareto front of (bytes held, time) over the
-    choices so far -- a partial plan that holds more bytes *and* takes longer than another can never be part of the
-    best plan -- so the answer is the exact optimum, to the byte (layers of one kind keep the front small).
-
-    Args:
-        costs: each decoder layer's :class:`LayerCost`, in order, at the tokens to plan for.
-        budget: bytes the step may peak at.
-        base: predicted peak with every layer offloaded (weights, optimizer state, logits, the recompute's
-            workspace and the staging buffers all in it).
-        staging: the offload's staging buffers, in ``base``: a plan that offloads no layer does not need them.
-        saved_extra: what a plan with ``offload_saved`` layers holds on top of ``base`` (their stores in flight in
-            the forward, the prefetched layer beside the current one in the backward).
-
-    Raises:
-        BudgetError: when not even every layer offloaded fits.
-    """
-    if base > budget:
-        raise BudgetError(f"memory_budget {_size(budget)} is below the smallest plan's peak "
-                          f"({_size(base)}, every layer offloaded): give at least {_size(base)}")
-    choices = [c for c in choices if all(c in cost.held and c in cost.seconds for cost in costs)]
-    timed = _with_first_reload(costs)
-    best: Plan | None = None
-    # four cases: some layer offloads its input (the staging buffers are paid) or none does (they are not); some
-    # layer offloads its saved activations (the prefetched layer's activations are paid) or none does
-    for offloads in (True, False):
-        for saves in (True, False):
-            allowed = tuple(c for c in choices if (offloads or c != "offload") and (saves or c != "offload_saved"))
-            slack = budget - base + (0 if offloads else staging) - (saved_extra if saves else 0)
-            if not allowed or slack < 0:
-                continue
-            found = _best_plan(timed, allowed, slack)
-            if found is None:
-                continue
-            cs_, _, seconds = found
-            peak, _ = predict(costs, cs_, base, staging=staging, saved_extra=saved_extra)
-            plan = Plan(cs_, budget, peak, seconds, costs[0].tokens if costs else 0)
-            if best is None or (plan.seconds, plan.peak) < (best.seconds, best.peak):
-                best = plan
-    if best is None:      # only when "offload" is not among the choices
-        raise BudgetError(f"memory_budget {_size(budget)}: no plan of {', '.join(choices)} fits")
-    return best
 
 
 # -- on a live model -------------------------------------------------------------------------------------------------
@@ -826,7 +643,7 @@ def _read_state(model: nn.Module) -> dict:
 register_state_reader("memory_plan", _read_state)
 
 __all__ = ["CHOICES", "saved_ops", "SAVED_OPS", "LayerCost", "Plan", "BudgetError", "MemoryPlanner", "measure_layer",
-           "solve", "predict", "ranked",
+           "solve", "predict",
            "selective_checkpoint", "full_checkpoint", "parse_budget", "allocator_ceiling", "check_budget_floor",
            "enable_memory_plan", "disable_memory_plan",
            "memory_planner", "set_plan", "layer_kinds"]

@@ -4,7 +4,7 @@ checkpointing, on the same batches.
 
 The plan's costs are measured once per token count (``apply(memory_budget=...)``'s own step 1 and 2: each kind of
 layer under each choice, and the peak of a step with every layer offloaded); each budget's plan is then solved from
-those costs (:func:`fastsft_lab.offload.plan.solve`, what ``apply`` solves) and run as a fixed plan, interleaved with
+those costs (:func:`fastsft_lab.offload.solver.solve`, what ``apply`` solves) and run as a fixed plan, interleaved with
 the references. Every row has the plan's *predicted* peak beside the measured one (CUDA), so the cost model is
 checked where it is used.
 
@@ -16,6 +16,7 @@ counter, so its rows show the plans and times but no measured memory.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 
 import torch
@@ -115,6 +116,26 @@ def calibrate(model, batch, autocast: str, budget_gib: float | None = None) -> P
 def _inputs(batch, _prepared) -> dict:
     """The batch with its metadata from the host lengths, as ``PackedCollator`` gives it: no host sync in the step."""
     return packed_inputs(batch)
+
+
+def ranked(costs, budget: int, base: int, *, staging: int = 0, saved_extra: int = 0, choices=P.CHOICES,
+           limit: int = 4, max_plans: int = 5**SEARCH_LAYERS) -> list[P.Plan]:
+    """Exhaustive search: the ``limit`` plans with the least predicted time (:func:`fastsft_lab.offload.solver.predict`)
+    among every per-layer choice that fits ``budget``, plans equal in predicted peak and time counted once (layers of
+    one kind in another order). What the solver is checked against, on paper (tests) and measured (``search``); it
+    enumerates ``len(choices) ** len(costs)`` plans, so it refuses more than ``max_plans``."""
+    choices = [c for c in choices if all(c in cost.held and c in cost.seconds for cost in costs)]
+    if len(choices) ** len(costs) > max_plans:
+        raise ValueError(f"exhaustive search over {len(choices)} choices for {len(costs)} layers is "
+                         f"{len(choices) ** len(costs)} plans, more than {max_plans}: use fewer layers")
+    found: dict[tuple[int, float], tuple[str, ...]] = {}
+    for cs in itertools.product(choices, repeat=len(costs)):
+        peak, seconds = P.predict(costs, cs, base, staging=staging, saved_extra=saved_extra)
+        if peak <= budget:
+            found.setdefault((peak, round(seconds, 12)), cs)
+    best = sorted(found.items(), key=lambda kv: (kv[0][1], kv[0][0]))[:limit]
+    tokens = costs[0].tokens if costs else 0
+    return [P.Plan(cs, budget, peak, seconds, tokens) for (peak, seconds), cs in best]
 
 
 def _plan_variant(plan: P.Plan, costs: dict) -> Variant:
@@ -292,7 +313,7 @@ class BudgetScenario(Scenario):
                     seen.add(plan.choices)
                     plans.append(plan)
                     if opts.search:
-                        found = P.ranked(budget=b, limit=opts.search + 1, **problem)
+                        found = ranked(budget=b, limit=opts.search + 1, **problem)
                         others = [p for p in found if (p.peak, round(p.seconds, 12))
                                   != (plan.peak, round(plan.seconds, 12))][:opts.search]
                         searched += [_searched_variant(p, i + 1, costs) for i, p in enumerate(others)]
@@ -323,4 +344,4 @@ class BudgetScenario(Scenario):
         return results
 
 
-__all__ = ["BudgetScenario", "BudgetOptions", "budgets_between", "calibrate", "derived", "size"]
+__all__ = ["BudgetScenario", "BudgetOptions", "budgets_between", "calibrate", "derived", "ranked", "size"]

@@ -1,0 +1,174 @@
+"""Solving a memory plan: the per-layer choices with the least predicted time whose predicted peak fits a budget
+(:func:`solve`), and the prediction it minimises and bounds (:func:`predict`). Pure arithmetic over measured costs
+(:class:`LayerCost`, measured by :func:`fastsft_lab.offload.plan.measure_layer`); the live model's side is :mod:`fastsft_lab.offload.plan`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+CHOICES = ("keep", "selective", "checkpoint", "offload", "offload_saved")
+GiB = 1 << 30
+
+
+def _size(b: float) -> str:
+    return f"{b / GiB:.2f} GiB" if b >= GiB / 100 else f"{b / 2**20:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """What one kind of decoder layer costs under each choice, at ``tokens`` tokens.
+
+    ``seconds[c]``: forward + backward under choice ``c`` (for ``offload``: the checkpoint's time plus the reload
+    and the store that the double buffer cannot hide). ``held[c]``: bytes kept on the GPU from the layer's forward
+    to its backward. Both grow with the tokens: :meth:`at` scales them linearly (the packed backends' attention
+    memory is linear in tokens)."""
+
+    kind: str
+    tokens: int
+    seconds: dict[str, float]
+    held: dict[str, int]
+    unsaved: frozenset = frozenset()      # saved_ops() the layer changes in place: recomputed by ``selective``
+    # the two readings ``held["keep"]`` is the larger of: "saved" (what autograd's saved-tensor hooks saw) and, on
+    # CUDA, "allocated" (memory_allocated after the forward, less the output): reported, so a prediction that misses
+    # says which reading it came from; and "pinned", the host memory offload_saved pins for the layer (each
+    # allocation rounded up to a power of two by torch's pinned allocator)
+    readings: dict = field(default_factory=dict)
+    # offload_saved in the layer whose backward runs first (the last layer): its reload has no later layer's backward
+    # to hide behind, so the part of it the other layers hide is paid here (seconds)
+    first_reload: float = 0.0
+
+    @property
+    def pinned(self) -> int:
+        """Host bytes the layer's saved activations take in pinned memory (offload_saved)."""
+        return self.readings.get("pinned", self.held["keep"])
+
+    def at(self, tokens: int) -> "LayerCost":
+        if tokens == self.tokens:
+            return self
+        r = tokens / self.tokens
+        return replace(self, tokens=tokens, seconds={c: s * r for c, s in self.seconds.items()},
+                       held={c: int(math.ceil(b * r)) for c, b in self.held.items()},
+                       readings={k: int(math.ceil(b * r)) for k, b in self.readings.items()},
+                       first_reload=self.first_reload * r)
+
+
+class BudgetError(ValueError):
+    """The budget cannot be met by any plan (the message names the smallest budget that works)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One choice per decoder layer, with what it was predicted to cost."""
+
+    choices: tuple[str, ...]
+    budget: int                  # bytes
+    peak: int                    # predicted peak bytes of a step
+    seconds: float               # predicted decoder-layer time of a step (forward + backward)
+    tokens: int
+    by_hand: bool = False        # set by :func:`set_plan`, not solved
+
+    def counts(self) -> dict[str, int]:
+        return {c: self.choices.count(c) for c in CHOICES if c in self.choices}
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{n} {c}" for c, n in self.counts().items())
+        if self.by_hand:
+            return f"{parts} (set by hand)"
+        return (f"{parts} (predicted peak {_size(self.peak)} of {_size(self.budget)} at {self.tokens} "
+                f"tokens, layers {self.seconds * 1e3:.0f} ms)")
+
+
+def _best_plan(costs: Sequence[LayerCost], allowed: tuple, slack: int) -> tuple[tuple, int, float] | None:
+    """The least-time choices among ``allowed`` holding at most ``slack`` bytes: (choices, bytes, seconds)."""
+    # front: (bytes held, seconds, choices as a linked list (previous, choice)), bytes ascending and seconds
+    # strictly descending
+    front: list[tuple[int, float, Any]] = [(0, 0.0, None)]
+    for cost in costs:
+        options = [(cost.held[c], cost.seconds[c], c) for c in allowed]
+        cand = sorted((b + w, t + s, (cs, c)) for b, t, cs in front for w, s, c in options if b + w <= slack)
+        front = []
+        for b, t, cs in cand:
+            if not front or t < front[-1][1]:
+                front.append((b, t, cs))
+        if not front:
+            return None
+    held, seconds, node = front[-1]               # the most bytes that fit buy the least time
+    picked: list[str] = []
+    while node is not None:
+        node, c = node
+        picked.append(c)
+    return tuple(reversed(picked)), held, seconds
+
+
+def _with_first_reload(costs: Sequence[LayerCost]) -> list[LayerCost]:
+    """``costs`` with the last layer's ``offload_saved`` time paying its first reload (its backward runs first:
+    nothing hides it)."""
+    last = costs[-1] if costs else None
+    if last is None or not last.first_reload or "offload_saved" not in last.seconds:
+        return list(costs)
+    return [*costs[:-1], replace(last, seconds={**last.seconds, "offload_saved": last.seconds["offload_saved"]
+                                                + last.first_reload})]
+
+
+def predict(costs: Sequence[LayerCost], choices: Sequence[str], base: int, *, staging: int = 0,
+            saved_extra: int = 0) -> tuple[int, float]:
+    """The predicted peak (bytes) and decoder-layer time (seconds) of one per-layer plan, as :func:`solve` bounds and
+    minimises them: the staging buffers count when some layer offloads its input, ``saved_extra`` when some layer
+    offloads its saved activations."""
+    costs = _with_first_reload(costs)
+    held = sum(c.held[x] for c, x in zip(costs, choices, strict=True))
+    peak = base + held - (0 if "offload" in choices else staging) + (saved_extra if "offload_saved" in choices else 0)
+    return peak, sum(c.seconds[x] for c, x in zip(costs, choices, strict=True))
+
+
+def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 0, saved_extra: int = 0,
+          choices: Sequence[str] = CHOICES) -> Plan:
+    """The per-layer choices with the least predicted time (:func:`predict`) whose predicted peak fits ``budget``
+    bytes, exactly.
+
+    A dynamic programme over the layers keeps, after each layer, the Pareto front of (bytes held, time) over the
+    choices so far -- a partial plan that holds more bytes *and* takes longer than another can never be part of the
+    best plan -- so the answer is the exact optimum, to the byte (layers of one kind keep the front small).
+
+    Args:
+        costs: each decoder layer's :class:`LayerCost`, in order, at the tokens to plan for.
+        budget: bytes the step may peak at.
+        base: predicted peak with every layer offloaded (weights, optimizer state, logits, the recompute's
+            workspace and the staging buffers all in it).
+        staging: the offload's staging buffers, in ``base``: a plan that offloads no layer does not need them.
+        saved_extra: what a plan with ``offload_saved`` layers holds on top of ``base`` (their stores in flight in
+            the forward, the prefetched layer beside the current one in the backward).
+
+    Raises:
+        BudgetError: when not even every layer offloaded fits.
+    """
+    if base > budget:
+        raise BudgetError(f"memory_budget {_size(budget)} is below the smallest plan's peak "
+                          f"({_size(base)}, every layer offloaded): give at least {_size(base)}")
+    choices = [c for c in choices if all(c in cost.held and c in cost.seconds for cost in costs)]
+    timed = _with_first_reload(costs)
+    best: Plan | None = None
+    # four cases: some layer offloads its input (the staging buffers are paid) or none does (they are not); some
+    # layer offloads its saved activations (the prefetched layer's activations are paid) or none does
+    for offloads in (True, False):
+        for saves in (True, False):
+            allowed = tuple(c for c in choices if (offloads or c != "offload") and (saves or c != "offload_saved"))
+            slack = budget - base + (0 if offloads else staging) - (saved_extra if saves else 0)
+            if not allowed or slack < 0:
+                continue
+            found = _best_plan(timed, allowed, slack)
+            if found is None:
+                continue
+            cs_, _, seconds = found
+            peak, _ = predict(costs, cs_, base, staging=staging, saved_extra=saved_extra)
+            plan = Plan(cs_, budget, peak, seconds, costs[0].tokens if costs else 0)
+            if best is None or (plan.seconds, plan.peak) < (best.seconds, best.peak):
+                best = plan
+    if best is None:      # only when "offload" is not among the choices
+        raise BudgetError(f"memory_budget {_size(budget)}: no plan of {', '.join(choices)} fits")
+    return best
+
+
+__all__ = ["CHOICES", "GiB", "LayerCost", "BudgetError", "Plan", "predict", "solve"]
