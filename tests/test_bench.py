@@ -172,6 +172,22 @@ def test_autocast_runs_the_lora_matmuls_in_bf16_and_is_refused_when_unknown():
         run_scenario("combined", device="cpu", smoke=True, out_dir="/tmp/unused", autocast="fp8")
 
 
+@pytest.mark.parametrize("sets, message", [
+    ({"kernels": "triton"}, "kernels must be none or liger, got 'triton'"),
+    ({"kernels": "liger"}, "kernels=liger needs a CUDA GPU"),
+    ({"search": -1}, "batches must be >= 1 and search >= 0"),
+    ({"batches": 0}, "batches must be >= 1 and search >= 0"),
+    ({"search": 2, "num_layers": 9}, "search enumerates every layer's choices: at most 8 layers, got 9"),
+])
+def test_the_budget_scenario_refuses_bad_options_in_one_line(sets, message):
+    from fastsft_lab.lab.scenario import OptionError
+    from fastsft_lab.lab.scenarios import run_scenario
+
+    with pytest.raises(OptionError, match=message) as e:
+        run_scenario("budget", device="cpu", smoke=True, out_dir="/tmp/unused", **sets)
+    assert "\n" not in str(e.value)
+
+
 def test_limit_gap_chart_draws_each_row_over_the_limit_in_percent():
     from fastsft_lab.lab.plots import plot_limit_gap
 

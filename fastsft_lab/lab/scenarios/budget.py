@@ -138,7 +138,9 @@ def ranked(costs, budget: int, base: int, *, staging: int = 0, saved_extra: int 
     return [P.Plan(cs, budget, peak, seconds, tokens) for (peak, seconds), cs in best]
 
 
-def _plan_variant(plan: P.Plan, costs: dict) -> Variant:
+def _plan_variant(plan: P.Plan, costs: dict, rank: int | None = None) -> Variant:
+    """``plan`` as a fixed plan on the measured ``costs``: the solver's for its budget, or (``rank``) the exhaustive
+    search's ``rank``-th next-fastest plan for it."""
     def enable(model):
         toggles.apply(model, memory_budget=_gib(plan.budget))
         P.memory_planner(model).costs.update(costs)       # the measured costs: no measurement inside a timed step
@@ -148,24 +150,13 @@ def _plan_variant(plan: P.Plan, costs: dict) -> Variant:
         toggles.apply(model, memory_budget="off")
 
     counts = ", ".join(f"{n} {c}" for c, n in plan.counts().items())
-    return Variant(f"{size(plan.budget)}: {counts}", enable=enable, disable=disable, inputs=_inputs,
-                   toggles={"memory_budget_bytes": plan.budget, "plan": list(plan.choices),
-                            "predicted_peak_bytes": plan.peak, "predicted_layer_seconds": plan.seconds},
-                   note="the plan apply(memory_budget=...) solves for this budget, run as a fixed plan")
-
-
-def _searched_variant(plan: P.Plan, rank: int, costs: dict) -> Variant:
-    """The ``rank``-th fastest plan (by the cost model) for ``plan.budget`` other than the solver's, as a fixed plan."""
-    def enable(model):
-        toggles.apply(model, memory_budget=_gib(plan.budget))
-        P.memory_planner(model).costs.update(costs)
-        P.set_plan(model, plan.choices)
-
-    counts = ", ".join(f"{n} {c}" for c, n in plan.counts().items())
-    return Variant(f"{size(plan.budget)} search #{rank}: {counts}", enable=enable,
-                   disable=lambda m: toggles.apply(m, memory_budget="off"), inputs=_inputs,
-                   toggles={"search_budget_bytes": plan.budget, "search_rank": rank, "plan": list(plan.choices),
-                            "predicted_peak_bytes": plan.peak, "predicted_layer_seconds": plan.seconds},
+    predicted = {"plan": list(plan.choices), "predicted_peak_bytes": plan.peak, "predicted_layer_seconds": plan.seconds}
+    if rank is None:
+        return Variant(f"{size(plan.budget)}: {counts}", enable=enable, disable=disable, inputs=_inputs,
+                       toggles={"memory_budget_bytes": plan.budget, **predicted},
+                       note="the plan apply(memory_budget=...) solves for this budget, run as a fixed plan")
+    return Variant(f"{size(plan.budget)} search #{rank}: {counts}", enable=enable, disable=disable, inputs=_inputs,
+                   toggles={"search_budget_bytes": plan.budget, "search_rank": rank, **predicted},
                    note="the exhaustive search's next-fastest plan for this budget (by the cost model), against "
                         "the solver's")
 
@@ -316,7 +307,7 @@ class BudgetScenario(Scenario):
                         found = ranked(budget=b, limit=opts.search + 1, **problem)
                         others = [p for p in found if (p.peak, round(p.seconds, 12))
                                   != (plan.peak, round(plan.seconds, 12))][:opts.search]
-                        searched += [_searched_variant(p, i + 1, costs) for i, p in enumerate(others)]
+                        searched += [_plan_variant(p, costs, i + 1) for i, p in enumerate(others)]
             variants = with_autocast([*(_plan_variant(p, costs) for p in plans), *searched,
                                       *_references(device, len(planner.kinds), sum(c.pinned for c in full))],
                                      opts.autocast)
