@@ -102,3 +102,19 @@ class SecondBufferFails(StreamOps):
         buf = super().allocate(nbytes, stream)
         self._alive.add(buf)
         return buf
+
+
+def graph_tensors(besides=()) -> list[torch.Tensor]:
+    """Every live tensor that is part of an autograd graph (has a ``grad_fn``), leaving out those of ``besides`` (an
+    earlier call's). After a step whose outputs were dropped no new one is left, with or without a backward; one
+    that survives is held by something that should have let go (a cycle through autograd's C++ nodes, which no
+    garbage collection frees)."""
+    import gc
+    import warnings
+
+    old = {id(t) for t in besides}
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")       # isinstance on some modules' deprecated attributes warns
+        return [o for o in gc.get_objects()
+                if isinstance(o, torch.Tensor) and o.grad_fn is not None and id(o) not in old]

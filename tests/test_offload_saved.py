@@ -158,6 +158,29 @@ def test_nothing_waits_after_the_step_and_a_second_backward_gets_the_same_tensor
         fastsft_lab.revert(model)
 
 
+def test_a_forward_without_backward_leaves_nothing_alive():
+    # a loss computed under grad and dropped (a validation loss outside no_grad): what the hooks kept on the device
+    # must not hold its own graph (a cycle through autograd's C++ nodes, freed by no garbage collection, growing by
+    # one forward's activations each time)
+    from _offload_helpers import graph_tensors
+
+    model, inputs = _model(), _inputs()
+    _planned(model)
+    try:
+        P.memory_planner(model).saved.min_bytes = 1 << 12      # the small saved tensors stay on the device
+        _step(model, inputs)
+        model.zero_grad(set_to_none=True)
+        before = graph_tensors()         # (an earlier test's, if any)
+        for _ in range(2):
+            loss = model(**inputs).loss
+            assert loss.requires_grad
+            del loss
+        leaked = graph_tensors(besides=before)
+        assert leaked == [], f"{len(leaked)} tensors of dropped forwards stay alive"
+    finally:
+        fastsft_lab.revert(model)
+
+
 def test_a_layer_that_changes_a_saved_activation_in_place_is_refused():
     saved = SavedOffload("cpu", min_bytes=0)
     x = torch.randn(8, 8, requires_grad=True)
@@ -323,7 +346,7 @@ def test_the_pinned_reading_counts_each_moved_activation_as_a_power_of_two_block
     def pack(t):
         if t.untyped_storage().data_ptr() not in resident:
             sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
+        return t.detach()         # as itself, a saved output would hold its own graph past this forward
 
     inp = x.detach().requires_grad_(True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

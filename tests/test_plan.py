@@ -145,6 +145,26 @@ def test_the_measuring_step_and_the_solved_plan_equal_plain_training():
     assert all(not layer.gradient_checkpointing for layer in decoder_layers(model))
 
 
+def test_the_measuring_step_leaves_nothing_of_its_measurement_alive():
+    # step 1 runs each kind of layer once more under saved-tensor hooks and an op recorder, with no backward: what
+    # they hold must go with them (a saved output returned as itself, or an op output kept with its grad_fn, is a
+    # cycle through autograd's C++ nodes that stays allocated for the process's life: one layer's activations)
+    from _offload_helpers import graph_tensors
+
+    model = _model("tiny-qwen3", True)
+    inputs = _batch()
+    _step(model, inputs)
+    before = graph_tensors()             # (an earlier test's, if any)
+    fastsft_lab.apply(model, memory_budget=16)
+    try:
+        _step(model, inputs)
+        assert "Qwen3DecoderLayer:full_attention" in P.memory_planner(model).costs
+        leaked = graph_tensors(besides=before)
+        assert leaked == [], f"{len(leaked)} tensors of the measurement's graph outlive it"
+    finally:
+        fastsft_lab.revert(model)
+
+
 def test_each_layer_runs_the_choice_its_plan_names():
     # what plain autograd keeps is seen by a saved-tensors hook around the step; a checkpointed, selective or
     # offloaded layer keeps its activations behind its own hooks (or none): only kept layers add to the count

@@ -139,7 +139,10 @@ class _SavedBytes:
         st = t.untyped_storage()
         if st.data_ptr() not in self.exclude:
             self.saved[st.data_ptr()] = st.nbytes()
-        return t
+        # detached: a saved output returned as itself would hold its own grad_fn, a cycle through C++ that no
+        # garbage collection frees when, as here, the forward is never followed by a backward (the layer's
+        # activations stayed allocated for the process's life); autograd restores the grad_fn on unpack
+        return t.detach()
 
     def mode(self) -> TorchDispatchMode:
         counter, saved = self, saved_ops()
@@ -225,6 +228,9 @@ def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Te
     records = [r for p, r in count.selective.items() if p != inp.untyped_storage().data_ptr()]
     unsaved = frozenset(op for _, op, t, version in records if t._version != version)
     selective = in_bytes + sum(b for b, op, _, _ in records if op not in unsaved)
+    # the records hold every recorded op's output, graph and all: let go of them here, not when the recorder goes
+    # (the dispatch mode's class keeps it alive past this call)
+    count.selective.clear()
     del records, count
 
     runners: dict[str, Callable] = {"keep": lambda f, a: f(a), "selective": functools.partial(

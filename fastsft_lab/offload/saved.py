@@ -180,13 +180,16 @@ class SavedOffload:
         if (t.device != self.device or t.layout != torch.strided or t.numel() * t.element_size() < self.min_bytes
                 or t.untyped_storage().data_ptr() in exclude):
             self.stats.kept += 1
-            return t
+            # detached (autograd restores the grad_fn on unpack): a saved output returned as itself holds its own
+            # grad_fn, a cycle through C++ that no garbage collection frees when the forward is not followed by a
+            # backward (a loss computed under grad and dropped)
+            return t.detach()
         view = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
         entry = group.by_view.get(view)
         if entry is None:
             entry = self._store(group, t)
             group.by_view[view] = entry
-            group.sources.append(t)
+            group.sources.append(t.detach())     # its storage (and version counter), not its graph
         entry.uses += 1
         return entry
 
