@@ -194,8 +194,13 @@ the committed GPU curves at real width, whose length the caption states. The cel
 from fastsft_lab.lab import convergence
 
 make = lambda: build_model("tiny-qwen3", device="cpu", dtype=torch.float32, lora=None, seed=2)
-exact = convergence.exact_curves(make, "qwen3", 100)
-along = convergence.along_the_curve(make, "qwen3", 100, every=25)
+threads = torch.get_num_threads()
+torch.set_num_threads(1)   # ops this small gain nothing from threads, which wait on any other process on the cores
+try:                       # (two such runs side by side on 2 cores: 60 s each instead of 3)
+    exact = convergence.exact_curves(make, "qwen3", 100)
+    along = convergence.along_the_curve(make, "qwen3", 100, every=25)
+finally:
+    torch.set_num_threads(threads)
 same = exact["bitwise_equal"] and exact["params_bitwise_equal"]
 print(f"exact switches, 100 steps: losses and weights bitwise equal to all naive: {'yes' if same else 'NO'}")
 print(f"every switch on, at steps {[p['step'] for p in along['points']]}: loss and gradients within the float32 bound: "
