@@ -1,7 +1,8 @@
 """Execute notebooks in place with a real Jupyter kernel (nbclient), e.g. on the GPU machine.
 
 Usage: python benchmarks/run_notebooks.py notebooks/00_*.ipynb ...   (SMOKE from the environment decides sizes)
-Each notebook runs top to bottom in its own folder; a failing cell stops that notebook and is reported.
+Each notebook runs top to bottom in its own folder, its old outputs cleared first; a failing cell stops that notebook and
+is reported (the cells after it stay empty).
 """
 import os
 import sys
@@ -14,6 +15,9 @@ from nbclient.exceptions import CellExecutionError
 status = 0
 for path in sys.argv[1:]:
     nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:       # a cell the run does not reach must not keep an earlier run's outputs
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
     t = time.time()
     client = NotebookClient(nb, timeout=900, kernel_name="python3",
                             resources={"metadata": {"path": os.path.dirname(os.path.abspath(path))}})
