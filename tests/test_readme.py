@@ -178,6 +178,23 @@ def test_packed_texts_give_ratios_from_the_run_and_say_failed_instead_of_an_olde
     assert report.packed_collated_text([]).startswith("No committed")
 
 
+def test_the_packed_table_names_each_rows_gpu_where_the_rows_come_from_different_cards(monkeypatch):
+    from fastsft_lab.lab import results as R
+
+    def doc(backend, tokens, gpu, run):
+        d = _packed_doc(backend, {f"{backend} naive": 300.0, f"{backend} cached": 200.0}, run=run,
+                        tokens_per_step=tokens)
+        d["env"]["gpu_name"], d["speedups"] = gpu, {"cached_step_speedup": 1.5}
+        return d
+
+    h200 = doc("sdpa", 8192, "NVIDIA H200", "a")
+    monkeypatch.setattr(R, "load_results", lambda *a, **k: [h200, doc("varlen", 8192, "NVIDIA H200", "a")])
+    assert "GPU |" not in report.packed_table()
+    monkeypatch.setattr(R, "load_results", lambda *a, **k: [h200, doc("varlen", 4096, "NVIDIA H100 80GB HBM3", "b")])
+    rows = [r for r in report.packed_table().splitlines() if r.startswith("| sdpa") or r.startswith("| varlen")]
+    assert rows[0].endswith("| H100 80GB HBM3 |") and rows[1].endswith("| H200 |"), rows
+
+
 def _combined_doc(kernels, ms, run="h200-2099-01-01", model="qwen3-14b", layers=40, **variant_extra):
     return {"scenario": "combined", "_path": f"{run}/{kernels}.json", "env": {"gpu_name": "GPU", "date": "2099-01-01"},
             "config": {"model": model, "num_layers": layers, "tokens_per_step": 8192, "kernels": kernels,

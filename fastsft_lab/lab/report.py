@@ -139,8 +139,11 @@ def packed_table() -> str:
     docs = [d for _, d in best.values()]
     if not docs:
         return "_No committed GPU run of the packed scenario._"
+    gpu = lambda d: (d["env"].get("gpu_name") or "?").removeprefix("NVIDIA ")   # noqa: E731
+    mixed = len({gpu(d) for d in docs}) > 1        # rows from different cards: each says its own (ratios compare)
     out = ["| backend, tokens/step | naive → cached forward ms | naive → cached step ms | step speedup | "
-           "cached vs oracle (step) | host syncs naive → cached |", "|---|---|---|---|---|---|"]
+           "cached vs oracle (step) | host syncs naive → cached |" + (" GPU |" if mixed else ""),
+           "|---|---|---|---|---|---|" + ("---|" if mixed else "")]
     for d in sorted(docs, key=lambda d: (d["config"]["tokens_per_step"], d["config"]["backend"])):
         c, by = d["config"], {v["name"].split(" ", 1)[1]: v for v in d["variants"] if " " in v["name"]}
         n, ca = by.get("naive"), by.get("cached")
@@ -148,7 +151,8 @@ def packed_table() -> str:
         out.append(f"| {c['backend']}, {c['tokens_per_step'] // 1024}k | {_ms(n, 'forward_ms')} → "
                    f"{_ms(ca, 'forward_ms')} | {_ms(n)} → {_ms(ca)} | {sp['cached_step_speedup']:.3f}x | "
                    f"{(sp.get('cached_vs_oracle_step', 1) - 1) * 100:+.1f}% | "
-                   f"{(n or {}).get('host_syncs_per_step', '–')} → {(ca or {}).get('host_syncs_per_step', '–')} |")
+                   f"{(n or {}).get('host_syncs_per_step', '–')} → {(ca or {}).get('host_syncs_per_step', '–')} |"
+                   + (f" {gpu(d)} |" if mixed else ""))
     out.append(f"\nQwen3-14B width, {docs[0]['config']['num_layers']} layers, NF4 + LoRA r16, gradient checkpointing, "
                f"one packed row per step, realistic length mix. Source: {_source(docs)}.")
     return "\n".join(out)
