@@ -524,6 +524,7 @@ def test_cuda_plan_holds_its_budget_and_trains_as_plain_training(kept):
     model.train()
     inputs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in _batch(tokens=4096, row=2048, vocab=1000).items()}
     plain = _step(model, inputs)[0]
+    held_before = torch.cuda.memory_allocated()
     fastsft_lab.apply(model, memory_budget="100%")        # measure: step 1 and 2 on a budget that holds anything
     try:
         _step(model, inputs)
@@ -546,6 +547,13 @@ def test_cuda_plan_holds_its_budget_and_trains_as_plain_training(kept):
         torch.testing.assert_close(loss.float(), plain.float(), rtol=2 * 2**-8, atol=0)
     finally:
         fastsft_lab.revert(model)
+    # nothing of the measuring step stays allocated (it once kept a layer's activations for the process's life)
+    import gc
+
+    planner = None                      # the plan's own buffers go with it
+    gc.collect()
+    left = torch.cuda.memory_allocated() - held_before
+    assert left < keep / 4, (left / 2**20, keep / 2**20)
 
 
 def test_attribution_scenario_runs_one_cumulative_chain_checked_against_exact_packing(tmp_path):
