@@ -228,8 +228,8 @@ def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Te
     records = [r for p, r in count.selective.items() if p != inp.untyped_storage().data_ptr()]
     unsaved = frozenset(op for _, op, t, version in records if t._version != version)
     selective = in_bytes + sum(b for b, op, _, _ in records if op not in unsaved)
-    # the records hold every recorded op's output, graph and all: let go of them here, not when the recorder goes
-    # (the dispatch mode's class keeps it alive past this call)
+    # the records hold every recorded op's output, graph and all, and that graph's saved tensors hold this
+    # recorder's pack hook: a cycle through C++ that no garbage collection frees, unless the records go here
     count.selective.clear()
     del records, count
 
