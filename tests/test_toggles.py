@@ -232,3 +232,32 @@ def test_a_switch_turned_off_alone_leaves_the_others_on(moe_model):
     with pytest.raises(ValueError, match="prefetch needs offload_buffers=2"):
         fastsft_lab.apply(moe_model, offload_buffers="off", prefetch=True)
     fastsft_lab.revert(moe_model)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-gpt-oss", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("checkpointing", [dict(offload_buffers=2, prefetch=True), dict(memory_budget=8)],
+                         ids=["offload-x2", "memory-plan"])
+def test_all_fast_keeps_nothing_of_a_forward_dropped_without_backward(preset, checkpointing):
+    """A loss computed under grad and dropped (a validation loss outside no_grad), after training steps: no hook,
+    cache or staging of any switch may keep its graph (a saved tensor that holds its own grad_fn, or a recorder the
+    graph points back to, is a cycle through C++ that no garbage collection frees)."""
+    from _offload_helpers import graph_tensors
+
+    model = build_model(preset, device="cpu", dtype=torch.float32, lora=LoraSettings(rank=4), num_layers=2).train()
+    batch = benchmark_batches(tokens_per_step=256, row_tokens=128, steps=1, vocab_size=model.config.vocab_size,
+                              mix="short")[0].model_inputs()
+    moe = {"moe_routing": "sync_free"} if preset != "tiny-qwen3" else {}
+    fastsft_lab.apply(model, packed_attention="sdpa", fused_loss=True, **checkpointing, **moe)
+    try:
+        for _ in range(3):                     # the memory plan measures at step 1 and solves at step 2
+            model(**batch).loss.backward()
+            model.zero_grad(set_to_none=True)
+        before = graph_tensors()
+        for _ in range(2):
+            loss = model(**batch).loss
+            assert loss.requires_grad
+            del loss
+        leaked = graph_tensors(besides=before)
+        assert leaked == [], f"{len(leaked)} tensors of dropped forwards stay alive"
+    finally:
+        fastsft_lab.revert(model)
