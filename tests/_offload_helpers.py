@@ -118,3 +118,15 @@ def graph_tensors(besides=()) -> list[torch.Tensor]:
         warnings.simplefilter("ignore")       # isinstance on some modules' deprecated attributes warns
         return [o for o in gc.get_objects()
                 if isinstance(o, torch.Tensor) and o.grad_fn is not None and id(o) not in old]
+
+
+def assert_dropped_forwards_leave_nothing(model, inputs: dict, times: int = 2) -> None:
+    """Compute the loss under grad ``times`` times and drop it without a backward (a validation loss outside
+    ``no_grad``): no tensor of those forwards' graphs may stay alive."""
+    before = graph_tensors()                  # (an earlier test's, if any)
+    for _ in range(times):
+        loss = model(**inputs).loss
+        assert loss.requires_grad
+        del loss
+    leaked = graph_tensors(besides=before)
+    assert leaked == [], f"{len(leaked)} tensors of dropped forwards stay alive"

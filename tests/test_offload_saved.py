@@ -162,7 +162,7 @@ def test_a_forward_without_backward_leaves_nothing_alive():
     # a loss computed under grad and dropped (a validation loss outside no_grad): what the hooks kept on the device
     # must not hold its own graph (a cycle through autograd's C++ nodes, freed by no garbage collection, growing by
     # one forward's activations each time)
-    from _offload_helpers import graph_tensors
+    from _offload_helpers import assert_dropped_forwards_leave_nothing
 
     model, inputs = _model(), _inputs()
     _planned(model)
@@ -170,13 +170,7 @@ def test_a_forward_without_backward_leaves_nothing_alive():
         P.memory_planner(model).saved.min_bytes = 1 << 12      # the small saved tensors stay on the device
         _step(model, inputs)
         model.zero_grad(set_to_none=True)
-        before = graph_tensors()         # (an earlier test's, if any)
-        for _ in range(2):
-            loss = model(**inputs).loss
-            assert loss.requires_grad
-            del loss
-        leaked = graph_tensors(besides=before)
-        assert leaked == [], f"{len(leaked)} tensors of dropped forwards stay alive"
+        assert_dropped_forwards_leave_nothing(model, inputs)
     finally:
         fastsft_lab.revert(model)
 

@@ -241,7 +241,7 @@ def test_all_fast_keeps_nothing_of_a_forward_dropped_without_backward(preset, ch
     """A loss computed under grad and dropped (a validation loss outside no_grad), after training steps: no hook,
     cache or staging of any switch may keep its graph (a saved tensor that holds its own grad_fn, or a recorder the
     graph points back to, is a cycle through C++ that no garbage collection frees)."""
-    from _offload_helpers import graph_tensors
+    from _offload_helpers import assert_dropped_forwards_leave_nothing
 
     model = build_model(preset, device="cpu", dtype=torch.float32, lora=LoraSettings(rank=4), num_layers=2).train()
     batch = benchmark_batches(tokens_per_step=256, row_tokens=128, steps=1, vocab_size=model.config.vocab_size,
@@ -252,12 +252,6 @@ def test_all_fast_keeps_nothing_of_a_forward_dropped_without_backward(preset, ch
         for _ in range(3):                     # the memory plan measures at step 1 and solves at step 2
             model(**batch).loss.backward()
             model.zero_grad(set_to_none=True)
-        before = graph_tensors()
-        for _ in range(2):
-            loss = model(**batch).loss
-            assert loss.requires_grad
-            del loss
-        leaked = graph_tensors(besides=before)
-        assert leaked == [], f"{len(leaked)} tensors of dropped forwards stay alive"
+        assert_dropped_forwards_leave_nothing(model, batch)
     finally:
         fastsft_lab.revert(model)
