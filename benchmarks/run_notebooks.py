@@ -3,6 +3,11 @@
 Usage: python benchmarks/run_notebooks.py notebooks/00_*.ipynb ...   (SMOKE from the environment decides sizes)
 Each notebook runs top to bottom in its own folder, its old outputs cleared first; a failing cell stops that notebook and
 is reported (the cells after it stay empty).
+
+``--redraw N[,M...] NOTEBOOK``: re-runs only cells N, M (0-based cell indices) after the notebook's setup cell (its first
+code cell that imports fastsft_lab), in smoke mode, and replaces only their outputs -- for cells that read committed results alone (their
+source must say "committed"), after a run that changed those results. The notebook's first markdown cell should say
+which cells were redrawn.
 """
 import os
 import sys
@@ -11,6 +16,35 @@ import time
 import nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
+
+
+def redraw(path: str, indices: list[int]) -> int:
+    nb = nbformat.read(path, as_version=4)
+    code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+    for i in indices:
+        if i not in code or "committed" not in nb.cells[i].source:
+            print(f"[FAIL] {path}: cell {i} is not a code cell that reads committed results (code cells: {code})")
+            return 1
+    setup = next(i for i in code if "from fastsft_lab" in nb.cells[i].source)
+    scratch = nbformat.v4.new_notebook(metadata=nb.metadata,
+                                       cells=[nbformat.v4.new_code_cell(nb.cells[j].source) for j in [setup, *indices]])
+    os.environ["SMOKE"] = "1"      # the setup cell must not pick a GPU workload
+    client = NotebookClient(scratch, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": os.path.dirname(os.path.abspath(path))}})
+    try:
+        client.execute()
+    except CellExecutionError as e:
+        print(f"[FAIL] {path}: {str(e)[:3000]}")
+        return 1
+    for i, cell in zip(indices, scratch.cells[1:]):
+        nb.cells[i].outputs = cell.outputs
+    nbformat.write(nb, path)
+    print(f"[ok] {path}: redrew cells {indices}")
+    return 0
+
+
+if len(sys.argv) == 4 and sys.argv[1] == "--redraw":
+    sys.exit(redraw(sys.argv[3], [int(i) for i in sys.argv[2].split(",")]))
 
 status = 0
 for path in sys.argv[1:]:

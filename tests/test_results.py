@@ -250,7 +250,7 @@ def test_the_frontier_sets_the_solver_against_its_search_and_the_peer_at_its_mem
                    ("Unsloth (checkpointing off)", 1.0, None, None),      # 6.5 GiB: no plan peaks that low
                    ("Unsloth (checkpointing off)", 2.5, "17 GiB: 8 keep", 250.0 / 220.0)]
     text = report.frontier_text(doc, root=tmp_path)
-    assert "within 3.4% of the fastest measured plan" in text and "1.05x its speed" in text
+    assert "within 3.4% of the fastest measured plan" in text and "1.050x its speed" in text
     assert "no solved plan fits" in text
     fig = plots.plot_frontier([doc], root=tmp_path)
     labels = fig.axes[0].get_legend_handles_labels()[1]

@@ -350,7 +350,7 @@ def frontier_findings(doc: dict, rows: list[dict]) -> list[str]:
                 f"({c['memory'] / 2**30:.2f} GiB) ")
         out.append(head + ("no solved plan fits." if r is None else
                            f"the plan {r['name']} takes {r['ms']:.1f} ms at {r['peak'] / 2**30:.2f} GiB: "
-                           f"{c['speed']:.2f}x its speed."))
+                           f"{c['speed']:.3f}x its speed."))
     return out
 
 

@@ -434,7 +434,7 @@ and "every layer offloaded" there is a whole frontier, layer by layer:
 
 `fastsft_lab.apply(model, memory_budget=80)` measures each choice on the first step and picks the fastest mix that
 fits 80 GiB (`fastsft_lab.offload.plan`; every mix computes what plain training computes, tested on the CPU).
-`bench --only budget` measures the frontier; notebook 04 draws the one committed from the H200.
+`bench --only budget` measures the frontier; notebook 04 draws the ones committed from GPU runs.
 '''),
 ("md", r'''
 ## Summary, next bottleneck and further reading

@@ -1,12 +1,12 @@
 FILENAME = "04_all_three_together.ipynb"
 
 # where the committed outputs come from (appended to the first cell by build.py)
-OUTPUTS = """**The outputs below** come from one run on an NVIDIA H200 (`SMOKE=0`, torch 2.11, transformers 5.17, 2026-12-05;
-run `benchmarks/results/h200-2026-12-05c`, whose README has the log), every code cell but the last: its memory line
-counted only the first live table and was corrected after the run (the switchboard peaked higher), so its output is
-left out until the next GPU run. The live cells run GPT-OSS-20B at 4 of its 24 layers; every full-depth figure is read
-from the committed H200 results. CI re-runs every cell in smoke mode on a CPU (nbval, lax: the outputs are not
-compared)."""
+OUTPUTS = """**The outputs below** come from one run on an NVIDIA H100 80GB HBM3 (`SMOKE=0`, torch 2.11, transformers 5.17,
+2026-12-05; run `benchmarks/results/h100-2026-12-05e`, whose README has the log; no H200 came that session), every
+code cell; the frontier cell, which reads committed results only, was redrawn after that run's frontier was committed
+(`benchmarks/run_notebooks.py --redraw`). The live cells run Qwen3-14B at 8 of its 40 layers and GPT-OSS-20B at 4 of
+its 24; every full-depth figure is read from the committed GPU results, each with its card and run. CI re-runs every
+cell in smoke mode on a CPU (nbval, lax: the outputs are not compared)."""
 
 CELLS = [
 ("md", r'''
