@@ -254,6 +254,8 @@ MUTATIONS = [
     Mutation("plan-counts-resident-weights", O + "plan.py",
              "exclude = {p.untyped_storage().data_ptr() for p in [*params, *resident]}",
              "exclude = {p.untyped_storage().data_ptr() for p in params}", (TPL, "-k", "frozen")),
+    Mutation("plan-budget-share-leaves-out-the-model", O + "plan.py",
+             "return held + int(free * share / 100)", "return int(free * share / 100)", (TPL, "-k", "on_top")),
     Mutation("plan-never-replans", O + "plan.py",
              "if self.plan is None or target > self.plan.tokens:", "if self.plan is None:", (TPL, "-k", "replans")),
     Mutation("plan-selective-recomputes-nf4-matmuls", O + "plan.py",

@@ -386,6 +386,18 @@ def test_free_gpu_memory_counts_what_the_allocator_holds_unallocated(monkeypatch
     assert P.parse_budget("50%", *P.device_memory(torch.device("cuda"))) == int(119 * gib * 0.5)
 
 
+def test_a_share_of_free_memory_is_on_top_of_what_the_model_holds(monkeypatch):
+    """A budget is the step's peak and the loaded model is in it: "90%" is what is allocated now plus 90% of what is
+    free. (GPT-OSS-20B on an H100: 38 GiB of weights, 40 GiB free; 90% of the free memory alone, 36 GiB, was refused
+    as below what the model holds.)"""
+    gib = P.GiB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 38 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 38 * gib)
+    assert P.budget_bytes("90%", torch.device("cuda")) == 38 * gib + int(40 * gib * 0.9)
+    assert P.budget_bytes(60, torch.device("cuda")) == 60 * gib          # a size is the peak itself
+
+
 def test_budget_and_hand_set_checkpointing_say_which_wins():
     model = _model("tiny-qwen3")
     with pytest.raises(ValueError, match="offload_buffers=0 .* contradicts it"):

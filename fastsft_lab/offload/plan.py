@@ -266,8 +266,10 @@ def allocator_ceiling(*, free: int, reserved: int, peak_reserved: int, peak_allo
     return free + reserved - max(0, peak_reserved - peak_allocated)
 
 
-def parse_budget(value, total: int | None, free: int | None) -> int:
-    """``memory_budget`` in bytes: a number of GiB (``80``) or a share of the device's free memory (``"90%"``)."""
+def parse_budget(value, total: int | None, free: int | None, held: int = 0) -> int:
+    """``memory_budget`` in bytes, the most a step may allocate: a number of GiB (``80``), or a share of the device's
+    free memory (``"90%"``) on top of the ``held`` bytes already allocated (the model: a budget is a peak, and a
+    loaded model's weights are in it)."""
     forms = "a size in GiB (e.g. 80) or a share of the device's free memory (e.g. '90%')"
     if isinstance(value, str) and value.strip().endswith("%"):
         try:
@@ -278,7 +280,7 @@ def parse_budget(value, total: int | None, free: int | None) -> int:
             raise ValueError(f"memory_budget {value!r}: a share must be between 0% and 100%; {forms}")
         if free is None:
             raise ValueError(f"memory_budget {value!r}: this device does not report its free memory; give {forms}")
-        return int(free * share / 100)
+        return held + int(free * share / 100)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"memory_budget must be {forms}, got {value!r}")
     if value <= 0:
@@ -288,6 +290,12 @@ def parse_budget(value, total: int | None, free: int | None) -> int:
         raise ValueError(f"memory_budget {value} GiB is above the device's memory ({total / GiB:.1f} GiB): "
                          f"give {forms}")
     return budget
+
+
+def budget_bytes(value, device: torch.device) -> int:
+    """:func:`parse_budget` on ``device``: its total and free memory and, on CUDA, what is allocated there now."""
+    held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    return parse_budget(value, *device_memory(device), held=held)
 
 
 def device_memory(device: torch.device) -> tuple[int | None, int | None]:
@@ -575,7 +583,7 @@ def enable_memory_plan(model: nn.Module, budget, *, buffers: int = 2, prefetch: 
     """Switch a per-layer checkpointing plan for ``budget`` on (see the module docstring); returns its planner.
 
     Args:
-        budget: GiB (``80``) or a share of the device's free memory (``"90%"``).
+        budget: GiB (``80``) or a share of the device's free memory (``"90%"``) beyond what is allocated now.
         buffers, prefetch: the staging buffers of the layers the plan offloads (:func:`enable_offloaded_checkpointing`).
         max_tokens: the largest batch the collator emits: plan for it from step 2 on (default: the largest seen).
         optimizer_bytes_per_param: optimizer state per trainable parameter not allocated yet at step 1.
@@ -588,13 +596,12 @@ def enable_memory_plan(model: nn.Module, budget, *, buffers: int = 2, prefetch: 
     key = base_model(model)
     check_not_sharded(model)
     device = resolve_device(model_device(model))
-    total, free = device_memory(device)
-    budget_bytes = parse_budget(budget, total, free)
-    check_budget_floor(model, budget_bytes)                 # before anything is switched on
+    budget = budget_bytes(budget, device)
+    check_budget_floor(model, budget)                       # before anything is switched on
     enable_offloaded_checkpointing(model, buffers, prefetch)
     layers = decoder_layers(model)
     unified = unified_memory(device)
-    planner = MemoryPlanner(budget_bytes, device, layer_kinds(model),
+    planner = MemoryPlanner(budget, device, layer_kinds(model),
                             [layer._gradient_checkpointing_func for layer in layers], buffers=buffers,
                             max_tokens=max_tokens, optimizer_bytes_per_param=optimizer_bytes_per_param,
                             layers=[weakref.ref(layer) for layer in layers], unified=unified,
@@ -650,6 +657,6 @@ register_state_reader("memory_plan", _read_state)
 
 __all__ = ["CHOICES", "saved_ops", "SAVED_OPS", "LayerCost", "Plan", "BudgetError", "MemoryPlanner", "measure_layer",
            "solve", "predict",
-           "selective_checkpoint", "full_checkpoint", "parse_budget", "allocator_ceiling", "check_budget_floor",
+           "selective_checkpoint", "full_checkpoint", "parse_budget", "budget_bytes", "allocator_ceiling", "check_budget_floor",
            "enable_memory_plan", "disable_memory_plan",
            "memory_planner", "set_plan", "layer_kinds"]

@@ -284,8 +284,7 @@ class BudgetScenario(Scenario):
             costs, base, staging = dict(planner.costs), planner.base(tokens), planner.staging
             full = [planner.costs[k].at(tokens) for k in planner.kinds]
             keep_all = base + sum(c.held["keep"] for c in full) - staging
-            _, free = P.device_memory(device)
-            top = min(keep_all, int(USABLE * free)) if free is not None else keep_all   # where keeping all fits
+            top = min(keep_all, P.budget_bytes(f"{USABLE:.0%}", device)) if device.type == "cuda" else keep_all
             toggles.apply(model, memory_budget="off")
             budgets = ([int(float(b) * P.GiB) for b in opts.budgets] if opts.budgets
                        else budgets_between(base, top, opts.points))
