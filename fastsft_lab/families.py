@@ -33,12 +33,16 @@ class Attention:
     set, on every layer). ``sinks``: per-head attention sinks (GPT-OSS's ``s_aux``). ``softcap``: attention logit
     softcapping - no packed kernel implements it, so a record that declares it is refused (one-line error).
     ``stock``: the attention implementation stock transformers runs the family with (the default of a build).
+    ``stock_packs``: stock transformers' masks see packed ``position_ids`` (each packed sequence attends to itself
+    only); False where its mask calls never get them and packed sequences attend to the ones before them in the row
+    (GPT-OSS, transformers 5.17; ``tests/test_packed_models.py`` checks every record against the stock path).
     """
 
     windows: Windows
     sinks: bool
     stock: str
     softcap: bool = False
+    stock_packs: bool = True
 
     def __post_init__(self) -> None:
         if self.softcap:
@@ -136,7 +140,7 @@ FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
         name="gpt_oss", config_class="GptOssConfig", causal_lm_class="GptOssForCausalLM",
         # GptOssPreTrainedModel sets _supports_sdpa = False (SDPA cannot take attention sinks), so stock
         # transformers runs GPT-OSS with eager attention unless a kernel is installed.
-        attention=Attention(windows="layer_types", sinks=True, stock="eager"),
+        attention=Attention(windows="layer_types", sinks=True, stock="eager", stock_packs=False),
         lora_targets=_ATTN,  # experts are 3-D parameters: LoraSettings(lora_experts=True) adapts them
         experts=Experts(class_name="GptOssExperts", router="router", router_class="GptOssTopKRouter",
                         gate="gpt_oss_glu", routing_weights="top_k", transposed=True, bias=True,

@@ -52,6 +52,29 @@ def test_result_json_has_the_documented_fields(tiny, tmp_path):
     assert "1.00" in format_table(doc)
 
 
+def test_a_stock_row_that_attends_across_packed_sequences_says_so():
+    """GPT-OSS's stock rows are not equal to exact packing: the table says why in one line, under the rows it
+    concerns only (an unequal row whose reason is unknown, or a bitwise one, adds nothing)."""
+    from fastsft_lab.lab.scenarios.combined import combined_variants
+    from fastsft_lab.lab.scenarios.packed import STOCK_LEAKS
+    from fastsft_lab.models import build_model
+
+    for preset, leaks in (("tiny-gpt-oss", True), ("tiny-qwen3", False)):
+        model = build_model(preset, device="cpu", dtype=torch.float32)
+        marked = {v.name for v in combined_variants(model, is_moe="gpt" in preset, trl=False) if v.unequal}
+        stock = {"transformers default", "transformers, eager experts"} if leaks else set()
+        assert marked == stock, (preset, marked)
+    row = {"forward_ms": {"median": 1.0}, "backward_ms": {"median": 1.0}, "step_ms": {"median": 2.0, "p20": 2.0,
+                                                                                     "p80": 2.0}}
+    doc = {"variants": [{**row, "name": "all naive", "equal_to_first": None, "equal_reference": "all naive"},
+                        {**row, "name": "stock", "unequal": STOCK_LEAKS,
+                         "equal_to_first": {"bitwise": False, "loss_rel": 1e-3, "grad_rel": 1.0}},
+                        {**row, "name": "other", "unequal": "never printed",
+                         "equal_to_first": {"bitwise": True, "loss_rel": 0.0, "grad_rel": 0.0}}]}
+    text = format_table(doc)
+    assert f"  stock: {STOCK_LEAKS}" in text and "never printed" not in text
+
+
 def test_a_failing_variant_is_reported_not_fatal(tiny):
     model, batches = tiny
 

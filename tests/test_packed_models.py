@@ -232,6 +232,16 @@ def test_router_aux_loss_over_packed_rows_leaves_the_padding_out():
 
 
 # --- the cross-contamination pitfall of stock transformers ---------------------------------------------------------
+@pytest.mark.parametrize("preset", [*PRESETS, "tiny-qwen3-moe"])
+def test_each_family_record_says_whether_its_stock_path_keeps_packed_sequences_apart(preset):
+    """``Attention.stock_packs`` is what the benchmarks print beside a stock row that is not equal to exact packing:
+    every family record must say what its stock path, packed position_ids and no mask, does."""
+    model = make_model(preset).eval()
+    leak = cross_contamination(model, make_batch())
+    assert (leak > 1e-3) == (not family_of(model).attention.stock_packs), (preset, leak)
+    assert leak > 1e-3 or leak < 1e-5
+
+
 def test_cross_contamination_in_stock_transformers_and_never_ours():
     """Exactly which stock paths leak (transformers 5.17, packed position_ids, CPU): see notebook 01."""
     batch = make_batch()

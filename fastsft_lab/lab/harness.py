@@ -53,6 +53,8 @@ class Variant:
         context: ``(model) -> context manager`` entered around each step's forward and backward (e.g. TRL's
             activation offloading); None: none.
         note: what this variant is faithful to and what it costs (goes into the JSON).
+        unequal: why this variant does not compute what the reference computes, where that is known (e.g. a stock
+            path that attends across packed sequences): printed under the table when its ``vs ref`` is not bitwise.
     """
 
     name: str
@@ -63,6 +65,7 @@ class Variant:
     inputs: Callable[[PackedBatch, Any], dict] = default_inputs
     note: str = ""
     context: Callable[[nn.Module], Any] | None = None
+    unequal: str = ""
 
 
 AUTOCAST = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -220,6 +223,8 @@ def run_variants(
     results = []
     for v in variants:
         entry: dict[str, Any] = {"name": v.name, "toggles": v.toggles, "note": v.note}
+        if v.unequal:
+            entry["unequal"] = v.unequal
         if v.name in failures:
             entry["error"] = failures[v.name]
             results.append(entry)
@@ -499,6 +504,10 @@ def format_table(result: dict) -> str:
     if ref is not None:
         lines.append(f"vs ref: one step's loss and gradients at the same weights against {ref}'s (ref): bitwise, or "
                      "the largest relative difference")
+        for r in rows:
+            eq = r.get("equal_to_first")
+            if r.get("unequal") and eq and not eq.get("bitwise", True):
+                lines.append(f"  {r['name']}: {r['unequal']}")
     return "\n".join(lines)
 
 

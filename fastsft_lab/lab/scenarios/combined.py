@@ -38,7 +38,7 @@ from ...data import benchmark_batches
 from ...env import environment, package_version
 from ...dequant import fused_dequant_targets
 from ...lora import fused_lora_targets
-from ...models import LoraSettings, base_model, build_model, decoder_layers, get_preset
+from ...models import LoraSettings, base_model, build_model, decoder_layers, family_of, get_preset
 from ...packing import enable_packed_attention, packed_inputs
 from ...toggles import apply
 from ..flops import peak_flops
@@ -46,6 +46,7 @@ from ..harness import AUTOCAST, Variant, format_table, make_result, run_variants
 from ..plots import plot_waterfall, save_figure
 from ..scenario import OptionError, Scenario, option
 from .offload import measure_bandwidth
+from .packed import STOCK_LEAKS
 
 def build_combined_model(preset, *, num_layers: int | None, lora_rank: int, device: torch.device) -> nn.Module:
     """The model the combined scenario (and the breakdown) measures: NF4 for the real Qwen3, LoRA on every
@@ -221,7 +222,7 @@ def combined_variants(model: nn.Module, *, is_moe: bool, packed: str = "varlen",
                                "checkpoint's recompute to its backward (two dequantisations per projection and step "
                                "instead of three); bitsandbytes' weights bit for bit"))
     if which == "core":
-        return [default, naive, fast, *extra]
+        return _mark_leaks(model, [default, naive, fast, *extra])
     out = [default]
     if is_moe:
         out.append(v("transformers, eager experts", "stock attention and checkpointing, transformers' eager "
@@ -251,7 +252,15 @@ def combined_variants(model: nn.Module, *, is_moe: bool, packed: str = "varlen",
     out.append(v("all fast, no batch check", "all fast without the on-device check that the metadata describes the "
                  "batch (check_batch=False): what that check costs", meta_inputs, packed=packed, moe=moe_fast,
                  offload=2, check=False))
-    return out + extra
+    return _mark_leaks(model, out + extra)
+
+
+def _mark_leaks(model: nn.Module, variants: list[Variant]) -> list[Variant]:
+    """``variants`` with those on stock attention marked as computing something else where the family's stock masks
+    let packed sequences attend to each other (GPT-OSS): their ``vs ref`` against all naive says so in one line."""
+    if family_of(model).attention.stock_packs:
+        return variants
+    return [dataclasses.replace(v, unequal=STOCK_LEAKS) if v.toggles.get("packed") is None else v for v in variants]
 
 
 # Liger-Kernel's entry point per model family, and whether its SwiGLU applies (the dense MLP's; GPT-OSS's experts
