@@ -75,7 +75,8 @@ SEARCH_LAYERS = 8
 """The most layers ``search`` enumerates (5 choices each: 390,625 plans)."""
 
 USABLE = 0.9
-"""The share of a GPU's free memory the frontier goes up to (what ``apply(memory_budget="90%")`` gives)."""
+"""The share of a GPU's free memory, beyond what the model holds, the frontier goes up to (what
+``apply(memory_budget="90%")`` gives)."""
 
 
 def _gib(b: float) -> float:
@@ -96,7 +97,7 @@ def budgets_between(lo: int, hi: int, points: int) -> list[int]:
 
 def calibrate(model, batch, autocast: str, budget_gib: float | None = None) -> P.MemoryPlanner:
     """apply(memory_budget=...)'s own measurement on ``batch``: step 1 measures, step 2 solves (no optimizer step).
-    Returns the planner (its costs, and the plan for ``budget_gib``, default :data:`USABLE` of the GPU's free memory
+    Returns the planner (its costs, and the plan for ``budget_gib``, default the model plus :data:`USABLE` of the GPU's free memory
     -- the allocator's fragmentation and the CUDA context need the rest -- or the host's memory on a CPU); the plan
     stays on the model until ``apply(model, memory_budget="off")``."""
     device = batch.input_ids.device
