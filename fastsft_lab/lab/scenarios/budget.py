@@ -43,7 +43,7 @@ class BudgetOptions:
     tokens: list = option([8192, 16384], kind="ints", help="tokens per step (one frontier each)")
     row_tokens: int = option(8192, kind="int", help="tokens per packed row")
     points: int = option(5, kind="int", help="budgets per frontier, from the smallest plan to keeping everything "
-                                             "(or 90% of the free GPU memory)")
+                                             "(or the model plus 90% of the free GPU memory)")
     budgets: list = option([], kind="strs", help="budgets in GiB instead of the even spread (e.g. 40,60,80); the "
                            "spread includes the preset's target budget (TARGETS_GIB) where it falls inside")
     fused_dequant: bool = option(False, kind="bool", help="the floor also dequantises NF4 in one kernel "
@@ -97,9 +97,9 @@ def budgets_between(lo: int, hi: int, points: int) -> list[int]:
 
 def calibrate(model, batch, autocast: str, budget_gib: float | None = None) -> P.MemoryPlanner:
     """apply(memory_budget=...)'s own measurement on ``batch``: step 1 measures, step 2 solves (no optimizer step).
-    Returns the planner (its costs, and the plan for ``budget_gib``, default the model plus :data:`USABLE` of the GPU's free memory
-    -- the allocator's fragmentation and the CUDA context need the rest -- or the host's memory on a CPU); the plan
-    stays on the model until ``apply(model, memory_budget="off")``."""
+    Returns the planner (its costs, and the plan for ``budget_gib``, default the model plus :data:`USABLE` of the
+    GPU's free memory -- the allocator's fragmentation and the CUDA context need the rest -- or the host's memory on
+    a CPU); the plan stays on the model until ``apply(model, memory_budget="off")``."""
     device = batch.input_ids.device
     total, free = P.device_memory(device)
     default = f"{USABLE:.0%}" if free is not None else (_gib(total) if total else 1024)
