@@ -304,6 +304,8 @@ else:
   float32 adapters in float32.
 - Against Unsloth: level by medians at Qwen3-14B x8; on GPT-OSS-20B, where it trains on padded rows, exact
   packing is the lead. A peer whose steps spread widely needs a longer run before its ratio means anything.
+- Spare memory buys speed: the frontier above puts each budget's plan beside Unsloth's two settings on the same
+  batches, and its last lines say how each plan fares at Unsloth's own peak and with 2.5 times it.
 
 **Next bottleneck.** The breakdown names it: dense matmuls at Qwen3-14B, the MoE experts' grouped matmuls at
 GPT-OSS-20B. Both are kernel work, not glue: the next gains are in the kernels themselves.
