@@ -4,10 +4,10 @@ Usage: python benchmarks/run_notebooks.py notebooks/00_*.ipynb ...   (SMOKE from
 Each notebook runs top to bottom in its own folder, its old outputs cleared first; a failing cell stops that notebook and
 is reported (the cells after it stay empty).
 
-``--redraw N[,M...] NOTEBOOK``: re-runs only cells N, M (0-based cell indices) after the notebook's setup cell (its first
-code cell that imports fastsft_lab), in smoke mode, and replaces only their outputs -- for cells that read committed results alone (their
-source must say "committed"), after a run that changed those results. The notebook's first markdown cell should say
-which cells were redrawn.
+``--redraw N[,M...] NOTEBOOK``: re-runs only cells N, M (0-based cell indices) after the notebook's setup cell (its
+first code cell that imports fastsft_lab), in smoke mode, and replaces only their outputs -- for cells that read
+committed results alone (their source must say "committed"), after a run that changed those results. The notebook's
+first markdown cell should say which cells were redrawn.
 """
 import os
 import sys

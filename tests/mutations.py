@@ -259,7 +259,7 @@ MUTATIONS = [
     Mutation("stock-leak-record-wrong", "fastsft_lab/families.py",
              'stock="eager", stock_packs=False)', 'stock="eager")', ("tests/test_packed_models.py", "-k", "family_record")),
     Mutation("stock-leak-unmarked", "fastsft_lab/lab/scenarios/combined.py",
-             "    if family_of(model).attention.stock_packs:\n        return variants", "    return variants",
+             "    if not leak:\n        return variants", "    return variants",
              ("tests/test_bench.py", "-k", "stock_row")),
     Mutation("plan-never-replans", O + "plan.py",
              "if self.plan is None or target > self.plan.tokens:", "if self.plan is None:", (TPL, "-k", "replans")),

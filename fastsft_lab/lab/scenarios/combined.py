@@ -38,7 +38,7 @@ from ...data import benchmark_batches
 from ...env import environment, package_version
 from ...dequant import fused_dequant_targets
 from ...lora import fused_lora_targets
-from ...models import LoraSettings, base_model, build_model, decoder_layers, family_of, get_preset
+from ...models import LoraSettings, base_model, build_model, decoder_layers, get_preset
 from ...packing import enable_packed_attention, packed_inputs
 from ...toggles import apply
 from ..flops import peak_flops
@@ -46,7 +46,7 @@ from ..harness import AUTOCAST, Variant, format_table, make_result, run_variants
 from ..plots import plot_waterfall, save_figure
 from ..scenario import OptionError, Scenario, option
 from .offload import measure_bandwidth
-from .packed import STOCK_LEAKS
+from .packed import stock_leak
 
 def build_combined_model(preset, *, num_layers: int | None, lora_rank: int, device: torch.device) -> nn.Module:
     """The model the combined scenario (and the breakdown) measures: NF4 for the real Qwen3, LoRA on every
@@ -258,9 +258,10 @@ def combined_variants(model: nn.Module, *, is_moe: bool, packed: str = "varlen",
 def _mark_leaks(model: nn.Module, variants: list[Variant]) -> list[Variant]:
     """``variants`` with those on stock attention marked as computing something else where the family's stock masks
     let packed sequences attend to each other (GPT-OSS): their ``vs ref`` against all naive says so in one line."""
-    if family_of(model).attention.stock_packs:
+    leak = stock_leak(model)
+    if not leak:
         return variants
-    return [dataclasses.replace(v, unequal=STOCK_LEAKS) if v.toggles.get("packed") is None else v for v in variants]
+    return [dataclasses.replace(v, unequal=leak) if v.toggles.get("packed") is None else v for v in variants]
 
 
 # Liger-Kernel's entry point per model family, and whether its SwiGLU applies (the dense MLP's; GPT-OSS's experts

@@ -110,14 +110,14 @@ def packed_variants(model: nn.Module, backend: str, device: torch.device, *, sto
                 base.config._attn_implementation = prev
                 del base._fastsft_stock_prev
 
-        packs = family_of(model).attention.stock_packs
-        leak = "" if packs else " (its masks never see position_ids: packed sequences attend across boundaries)"
+        unequal = stock_leak(model)
+        leak = " (its masks never see position_ids: packed sequences attend across boundaries)" if unequal else ""
         variants.append(Variant(
             f"stock {stock}", {"attn_implementation": stock, "packed_metadata_cache": None}, stock_on, stock_off,
             None, lambda bt, s: bt.model_inputs(),
             note=f"stock transformers {stock} given packed position_ids and no mask: masking_utils detects the "
                  f"packing from position_ids once per forward (one sync) and builds the mask once{leak}.",
-            unequal="" if packs else STOCK_LEAKS))
+            unequal=unequal))
     return variants
 
 
@@ -131,6 +131,12 @@ def naive_variants(model: nn.Module, backends=("sdpa",), device=None) -> list:
 
 STOCK_LEAKS = ("not the model's output: each packed sequence attends to the ones before it in the row (stock "
                "transformers' masks for this family never see position_ids; notebook 01 shows the leak)")
+
+
+def stock_leak(model: nn.Module) -> str:
+    """Why a row on stock attention does not compute exact packing on ``model`` (:data:`STOCK_LEAKS`), from its
+    family record; "" where stock transformers keeps packed sequences apart."""
+    return "" if family_of(model).attention.stock_packs else STOCK_LEAKS
 
 
 def _stock_for(backend: str, family: str) -> str | None:
