@@ -16,6 +16,7 @@ from fastsft_lab.data import benchmark_batches
 from fastsft_lab.lab.scenarios.budget import ranked
 from fastsft_lab.models import LoraSettings, build_model, decoder_layers
 from fastsft_lab.offload import plan as P
+from fastsft_lab.offload.solver import alive
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 GiB = P.GiB
@@ -230,10 +231,22 @@ def _cost(keep, sel, ckpt, seconds=(1.0, 1.2, 1.5, 1.6, 10.0), tokens=1000, save
                        {"keep": keep, "selective": sel, "checkpoint": ckpt, "offload": 0, "offload_saved": saved})
 
 
-def _exhaustive(costs, budget, base, staging, saved_extra=0):
+def _phased_peak(costs, cs, base, loss_base):
+    """A plan's peak from the two phases of a step measured with every layer offloaded (holding nothing): up to
+    the loss each layer holds what it keeps; walking the backward from the last layer to the first, layer i's
+    activations are all there beside what the layers before it keep. ``base`` has the largest layer's activations in
+    it (its recompute); ``loss_base`` None: the whole step's peak stands for the loss phase too."""
+    held = [c.held[x] for c, x in zip(costs, cs)]
+    loss = (base if loss_base is None else loss_base) + sum(held)
+    largest = max(c.held["keep"] for c in costs)
+    backward = max(base - largest + sum(held[:i]) + costs[i].held["keep"] for i in reversed(range(len(costs))))
+    return max(loss, backward)
+
+
+def _exhaustive(costs, budget, base, staging, saved_extra=0, loss_base=None):
     best = None
     for cs in itertools.product(P.CHOICES, repeat=len(costs)):
-        peak = (base + sum(c.held[x] for c, x in zip(costs, cs)) - (0 if "offload" in cs else staging)
+        peak = (_phased_peak(costs, cs, base, loss_base) - (0 if "offload" in cs else staging)
                 + (saved_extra if "offload_saved" in cs else 0))
         if peak <= budget:
             t = sum(c.seconds[x] for c, x in zip(costs, cs))
@@ -256,8 +269,9 @@ def test_a_noisy_keep_reading_cannot_make_keeping_dearer_than_recomputing(monkey
                            x, [], resident=[*layer.parameters()], repeats=1)
     assert cost.seconds["keep"] == 0.2 and cost.seconds["checkpoint"] == 0.3
 
+@pytest.mark.parametrize("phased", [False, True], ids=["whole-step-peak", "loss-and-backward-peaks"])
 @pytest.mark.parametrize("seed", range(20))
-def test_solver_equals_exhaustive_search(seed):
+def test_solver_equals_exhaustive_search(seed, phased):
     rng = random.Random(seed)
     n = rng.randint(3, 7)
     costs = []
@@ -269,16 +283,19 @@ def test_solver_equals_exhaustive_search(seed):
         # offload_saved: keep's time plus what the link does not hide (none to more than a recompute)
         costs.append(_cost(keep, sel, ckpt, (*t, t[0] + rng.uniform(0, 3)), saved=rng.randint(0, 20)))
     base, staging, saved_extra = 1000, 2 * 100, max(c.held["keep"] for c in costs)
-    budget = base + rng.randint(0, sum(c.held["keep"] for c in costs) + saved_extra)
-    plan = P.solve(costs, budget, base, staging=staging, saved_extra=saved_extra)
-    best = _exhaustive(costs, budget, base, staging, saved_extra)
+    # the backward's peak above the loss's by up to two layers' activations (a fused loss), or below it
+    loss_base = base - rng.randint(-200, 2 * saved_extra) if phased else None
+    budget = max(base, loss_base or 0) + rng.randint(0, sum(c.held["keep"] for c in costs) + saved_extra)
+    plan = P.solve(costs, budget, base, staging=staging, saved_extra=saved_extra, loss_base=loss_base)
+    best = _exhaustive(costs, budget, base, staging, saved_extra, loss_base)
     assert plan.peak <= budget
     assert plan.seconds == pytest.approx(best[0], rel=1e-12), (plan, best)
     assert plan.seconds == pytest.approx(sum(c.seconds[x] for c, x in zip(costs, plan.choices)))
 
 
+@pytest.mark.parametrize("phased", [False, True], ids=["whole-step-peak", "loss-and-backward-peaks"])
 @pytest.mark.parametrize("seed", range(8))
-def test_ranked_search_is_the_exhaustive_search_and_solve_is_its_first(seed):
+def test_ranked_search_is_the_exhaustive_search_and_solve_is_its_first(seed, phased):
     """The budget scenario's ``ranked`` (what it measures the solver against) enumerates every plan: its first is the
     independent search's best and :func:`solve`'s; the rest fit, in order, each a different (peak, time); a last layer
     that pays a first reload is priced as :func:`solve` prices it."""
@@ -288,19 +305,20 @@ def test_ranked_search_is_the_exhaustive_search_and_solve_is_its_first(seed):
                    + (rng.uniform(1, 4),), saved=rng.randint(0, 20)) for _ in range(n)]
     costs[-1] = dataclasses.replace(costs[-1], first_reload=rng.uniform(0, 1))
     base, staging, saved_extra = 1000, 200, 50
+    loss_base = base - rng.randint(0, 900) if phased else None
     budget = base + rng.randint(200 * n, sum(c.held["keep"] for c in costs) + saved_extra)
-    plans = ranked(costs, budget, base, staging=staging, saved_extra=saved_extra, limit=5)
+    plans = ranked(costs, budget, base, staging=staging, saved_extra=saved_extra, limit=5, loss_base=loss_base)
     timed = [*costs[:-1], dataclasses.replace(costs[-1], seconds={**costs[-1].seconds, "offload_saved":
                                               costs[-1].seconds["offload_saved"] + costs[-1].first_reload})]
-    best = _exhaustive(timed, budget, base, staging, saved_extra)
-    solved = P.solve(costs, budget, base, staging=staging, saved_extra=saved_extra)
+    best = _exhaustive(timed, budget, base, staging, saved_extra, loss_base)
+    solved = P.solve(costs, budget, base, staging=staging, saved_extra=saved_extra, loss_base=loss_base)
     assert plans[0].seconds == pytest.approx(best[0], rel=1e-12) == pytest.approx(solved.seconds, rel=1e-12)
     assert [p.seconds for p in plans] == sorted(p.seconds for p in plans)
     assert len({(p.peak, round(p.seconds, 12)) for p in plans}) == len(plans) > 1
     for p in plans:
         assert p.peak <= budget
         assert (p.peak, p.seconds) == pytest.approx(P.predict(costs, p.choices, base, staging=staging,
-                                                               saved_extra=saved_extra))
+                                                               saved_extra=saved_extra, loss_base=loss_base))
 
 
 def test_ranked_refuses_a_search_too_large_to_enumerate():
@@ -324,6 +342,26 @@ def test_solver_charges_the_last_layer_too():
     plan = P.solve(costs, 10_000 + 7 * 4096 + 512, 10_000, staging=0)
     assert plan.choices.count("keep") == 7 and "checkpoint" in plan.choices, plan
     assert plan.peak == 10_000 + 7 * 4096 + 512
+
+
+def test_solver_keeps_the_last_layer_free_where_the_backward_sets_the_peak():
+    """Measured on an H100 (Qwen3-14B x8, fused loss): every layer offloaded peaks in the last layer's backward, its
+    recompute beside everything else; a kept last layer's activations are those same bytes, so at that peak the
+    last layer is kept (and no other). Where the loss sets the peak, keeping it costs its bytes."""
+    costs = [_cost(4096, 4000, 512) for _ in range(8)]
+    base = 10_000 + 4096                            # the last layer's recompute in the backward
+    loss_base = 10_000                              # the loss phase: no layer's activations
+    plan = P.solve(costs, base, base, staging=0, loss_base=loss_base)
+    assert plan.choices == ("offload",) * 7 + ("keep",) and plan.peak == base, plan
+    assert P.solve(costs, base, base, staging=0).choices == ("offload",) * 8        # the whole step's peak alone
+    assert P.solve(costs, base, base, staging=0, loss_base=base).choices == ("offload",) * 8
+    # every layer kept: its peak is at the loss, all eight layers' activations there
+    assert P.predict(costs, ("keep",) * 8, base, loss_base=loss_base)[0] == loss_base + 8 * 4096
+    # room for seven layers' activations and one input: one layer recomputed, never the last (its recompute would
+    # stand beside the seven kept in the backward)
+    plan = P.solve(costs, loss_base + 7 * 4096 + 512, base, staging=0, loss_base=loss_base)
+    assert plan.choices.count("keep") == 7 and plan.choices.count("checkpoint") == 1, plan
+    assert plan.choices[-1] == "keep" and alive(costs, plan.choices) == 512 + 7 * 4096
 
 
 def test_solver_drops_the_staging_buffers_when_nothing_offloads():
@@ -531,17 +569,18 @@ def test_budget_scenario_runs_the_frontier_from_the_smallest_plan_to_keeping_eve
 
 # -- CUDA: the plan holds its budget where memory is measured --------------------------------------------------------
 @pytest.mark.cuda
-@pytest.mark.parametrize("kept", [1, 3])
-def test_cuda_plan_holds_its_budget_and_trains_as_plain_training(kept):
+@pytest.mark.parametrize("kept, fused_loss", [(1, False), (3, False), (0, True), (3, True)])
+def test_cuda_plan_holds_its_budget_and_trains_as_plain_training(kept, fused_loss):
     """A budget with room for ``kept`` kept layers (and half of one more) above the smallest plan: the solved plan
     mixes choices, the measured peak stays under the budget (and near the prediction), and the losses equal plain
-    training's to bf16 rounding."""
+    training's to bf16 rounding. With the 152k-vocabulary loss unfused the loss sets the smallest plan's peak; fused,
+    the last layer's recompute does, and a kept last layer is free (``kept=0``: it is kept)."""
     model = build_model("qwen3-0.6b", device="cuda", dtype=torch.bfloat16, num_layers=8, lora=LoraSettings(rank=8))
     model.train()
     inputs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in _batch(tokens=4096, row=2048, vocab=1000).items()}
     plain = _step(model, inputs)[0]
     held_before = torch.cuda.memory_allocated()
-    fastsft_lab.apply(model, memory_budget="100%")        # measure: step 1 and 2 on a budget that holds anything
+    fastsft_lab.apply(model, memory_budget="100%", fused_loss=fused_loss)   # measure: step 1 and 2, any plan fits
     try:
         _step(model, inputs)
         _step(model, inputs)
@@ -552,9 +591,13 @@ def test_cuda_plan_holds_its_budget_and_trains_as_plain_training(kept):
         budget = int(planner.base(4096) + (kept + 0.5) * keep)
         planner.budget = budget
         planner.plan = planner.solve(4096)
+        loss_base = planner.loss_base(4096)
+        assert loss_base is not None and loss_base <= planner.base(4096)
         assert len(set(planner.plan.choices)) > 1, \
-            (planner.plan.describe(), planner.base(4096) / GiB, budget / GiB,
+            (planner.plan.describe(), planner.base(4096) / GiB, loss_base / GiB, budget / GiB,
              {k: c.held for k, c in planner.costs.items()})
+        if kept == 0:
+            assert planner.plan.choices[-1] == "keep", planner.plan.describe()
         torch.cuda.reset_peak_memory_stats()
         loss = _step(model, inputs)[0]
         peak = torch.cuda.max_memory_allocated()

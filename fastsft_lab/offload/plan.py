@@ -24,10 +24,14 @@ How a plan is made (:class:`MemoryPlanner`, switched on by ``apply(model, memory
 1. step 1 runs with every layer offloaded (the smallest plan: it fits wherever any plan fits). The first call of
    each kind of layer (full and sliding-window attention differ) is measured on the step's own input, outside the
    step: each choice's forward + backward time and bytes held to the backward, and the host-link time of its input
-   (:func:`measure_layer`). The step's peak memory is read at its end (CUDA).
+   (:func:`measure_layer`). The step's peak memory is read twice (CUDA): when the decoder layers' backward starts
+   (the forward and the loss behind it) and when the first layer's backward starts.
 2. at the start of step 2 the plan is solved (:func:`solve`): the per-layer choices that minimise the predicted
-   step time with ``peak(all offloaded) + sum(bytes held per layer) <= budget``, exactly (a dynamic programme over
-   the layers). It is logged and shown by :func:`fastsft_lab.state`.
+   step time with a predicted peak within the budget, exactly (a dynamic programme over the layers). The peak is
+   the larger of the two phases, each moved by what the plan's layers hold there: up to the loss every layer
+   holds what it keeps; in layer ``i``'s backward the layers before it hold what they keep and layer ``i`` all its
+   activations (:func:`fastsft_lab.offload.solver.alive`), so a kept last layer costs nothing the recompute did
+   not already need. The plan is logged and shown by :func:`fastsft_lab.state`.
 3. a later batch with more tokens than the plan was made for re-plans on the host (token counts are shapes: no host
    sync); ``max_tokens`` plans for the largest batch up front.
 
@@ -336,7 +340,8 @@ class MemoryPlanner:
     plan: Plan | None = None
     steps: int = 0
     static: int = 0            # bytes allocated at step 1's first layer, less its input (weights, optimizer, ...)
-    peak: int | None = None    # step 1's measured peak (CUDA)
+    peak: int | None = None    # step 1's measured peak (CUDA), read when the first layer's backward starts
+    loss_peak: int | None = None   # step 1's peak read when the last layer's backward starts: forward and loss
     tokens: int = 0            # tokens of step 1
     allowance: int = 0         # optimizer state not yet allocated at step 1
     staging: int = 0           # the staging buffers at step 1's tokens
@@ -364,19 +369,23 @@ class MemoryPlanner:
             with self.saved.layer(index, {t.untyped_storage().data_ptr() for t in resident}):
                 return function(*args)
         out = self.offload[index](function, *args, **kwargs)
-        if index == 0 and self.plan is None:
-            self._watch_peak(out)
+        if self.plan is None:
+            if index == len(self.layers) - 1:
+                self._watch_peak(out, "loss_peak")
+            if index == 0:
+                self._watch_peak(out, "peak")
         return out
 
     @torch.compiler.disable
-    def _watch_peak(self, out) -> None:
-        """Step 1: read the CUDA peak when the first layer's backward starts -- every later layer's backward, the
-        loss and the logits are behind it then -- so a reset of the peak counter between steps (a callback that
-        logs memory per step) does not hide it. A host-side counter: no sync."""
+    def _watch_peak(self, out, name: str) -> None:
+        """Step 1: read the CUDA peak into ``name`` when this layer's backward starts: at the last layer's, the
+        forward, the loss and the logits are behind it; at the first layer's, every later layer's backward too. Read
+        there, a reset of the peak counter between steps (a callback that logs memory per step) does not hide it. A
+        host-side counter: no sync."""
         t = _first_tensor(out)
         if self.device.type == "cuda" and isinstance(t, torch.Tensor) and t.requires_grad:
             def record(grad):
-                self.peak = max(self.peak or 0, torch.cuda.max_memory_allocated(self.device))
+                setattr(self, name, max(getattr(self, name) or 0, torch.cuda.max_memory_allocated(self.device)))
             t.register_hook(record)
 
     @torch.compiler.disable
@@ -466,6 +475,14 @@ class MemoryPlanner:
         worst = max(c.at(tokens).held["keep"] for c in self.costs.values())    # the recompute's activations
         return self.fixed_cpu + self.allowance + int(math.ceil(self.staging * r)) + worst
 
+    def loss_base(self, tokens: int) -> int | None:
+        """Predicted peak with every layer offloaded up to the decoder layers' backward (forward and loss), at
+        ``tokens`` tokens; None where step 1 did not read it (a CPU, no backward through the last layer)."""
+        if self.loss_peak is None or self.peak is None:
+            return None
+        return self.static + int(math.ceil((min(self.loss_peak, self.peak) - self.static) * tokens / self.tokens)) \
+            + self.allowance
+
     def solve(self, tokens: int, budget: int | None = None) -> Plan:
         """The plan for ``tokens`` tokens under ``budget`` bytes (default: this planner's budget)."""
         if budget is None:
@@ -485,7 +502,8 @@ class MemoryPlanner:
             choices = tuple(c for c in CHOICES if c != "offload_saved")
         if self.unified:     # "host" memory is the GPU's own: an offloaded byte is still a used byte
             choices = tuple(c for c in choices if c not in ("offload", "offload_saved"))
-        return {"costs": costs, "base": self.base(tokens), "staging": int(math.ceil(self.staging * tokens / self.tokens)),
+        return {"costs": costs, "base": self.base(tokens), "loss_base": self.loss_base(tokens),
+                "staging": int(math.ceil(self.staging * tokens / self.tokens)),
                 "saved_extra": self._saved_extra(worst), "choices": choices}
 
     def _saved_extra(self, worst: int) -> int:

@@ -80,14 +80,42 @@ class Plan:
                 f"tokens, layers {self.seconds * 1e3:.0f} ms)")
 
 
-def _best_plan(costs: Sequence[LayerCost], allowed: tuple, slack: int) -> tuple[tuple, int, float] | None:
-    """The least-time choices among ``allowed`` holding at most ``slack`` bytes: (choices, bytes, seconds)."""
-    # front: (bytes held, seconds, choices as a linked list (previous, choice)), bytes ascending and seconds
-    # strictly descending
+def alive(costs: Sequence[LayerCost], choices: Sequence[str]) -> int:
+    """The most bytes the decoder layers hold at once in the backward. It runs the layers last to first and frees
+    each layer's activations once its backward is done, so in layer ``i``'s backward the layers before it hold what
+    they keep and layer ``i`` holds all its activations whatever its choice -- kept, rebuilt by a recompute or
+    reloaded: ``held["keep"]``. A recompute therefore costs least in the first layers, whose backward runs last,
+    and keeping the last layer costs nothing here (its activations are the ones rebuilt first anyway)."""
+    held = most = 0
+    for cost, choice in zip(costs, choices, strict=True):
+        most = max(most, held + cost.held["keep"])
+        held += cost.held[choice]
+    return most
+
+
+def _smallest(costs: Sequence[LayerCost]) -> tuple[int, int]:
+    """What the layers hold in the plan the bases were measured on (every layer offloaded): (at the loss, at most
+    in the backward)."""
+    offload = [c.held.get("offload", 0) for c in costs]
+    held = most = 0
+    for cost, b in zip(costs, offload):
+        most = max(most, held + cost.held["keep"])
+        held += b
+    return held, most
+
+
+def _best_plan(costs: Sequence[LayerCost], allowed: tuple, total: int, most: int) -> tuple[tuple, int, float] | None:
+    """The least-time choices among ``allowed`` whose layers hold at most ``total`` bytes at the loss and at most
+    ``most`` in the backward (:func:`alive`): (choices, bytes held at the loss, seconds)."""
+    # front: (bytes held by the layers so far, seconds, choices as a linked list (previous, choice)), bytes ascending
+    # and seconds strictly descending; a partial plan holding fewer bytes leaves every later layer more room (at the
+    # loss and in each later layer's backward), so one holding more bytes *and* taking longer is never in the best
     front: list[tuple[int, float, Any]] = [(0, 0.0, None)]
     for cost in costs:
+        room = most - cost.held["keep"]            # this layer's backward: its activations beside the earlier layers'
         options = [(cost.held[c], cost.seconds[c], c) for c in allowed]
-        cand = sorted((b + w, t + s, (cs, c)) for b, t, cs in front for w, s, c in options if b + w <= slack)
+        cand = sorted((b + w, t + s, (cs, c)) for b, t, cs in front if b <= room
+                      for w, s, c in options if b + w <= total)
         front = []
         for b, t, cs in cand:
             if not front or t < front[-1][1]:
@@ -113,30 +141,42 @@ def _with_first_reload(costs: Sequence[LayerCost]) -> list[LayerCost]:
 
 
 def predict(costs: Sequence[LayerCost], choices: Sequence[str], base: int, *, staging: int = 0,
-            saved_extra: int = 0) -> tuple[int, float]:
+            saved_extra: int = 0, loss_base: int | None = None) -> tuple[int, float]:
     """The predicted peak (bytes) and decoder-layer time (seconds) of one per-layer plan, as :func:`solve` bounds and
-    minimises them: the staging buffers count when some layer offloads its input, ``saved_extra`` when some layer
-    offloads its saved activations."""
-    costs = _with_first_reload(costs)
-    held = sum(c.held[x] for c, x in zip(costs, choices, strict=True))
-    peak = base + held - (0 if "offload" in choices else staging) + (saved_extra if "offload_saved" in choices else 0)
-    return peak, sum(c.seconds[x] for c, x in zip(costs, choices, strict=True))
+    minimises them.
+
+    The peak is the larger of two phases, each measured with every layer offloaded and moved by what this plan's
+    layers hold there: up to the loss (``loss_base``; every layer holds what it keeps) and in the decoder layers'
+    backward (``base``; :func:`alive`). Without ``loss_base`` the whole-step ``base`` stands for both (an upper
+    bound). The staging buffers count when some layer offloads its input, ``saved_extra`` when some layer offloads
+    its saved activations."""
+    timed = _with_first_reload(costs)
+    at_loss, most = _smallest(costs)
+    loss = (base if loss_base is None else loss_base) + sum(
+        c.held[x] for c, x in zip(costs, choices, strict=True)) - at_loss
+    backward = base + alive(costs, choices) - most
+    peak = (max(loss, backward) - (0 if "offload" in choices else staging)
+            + (saved_extra if "offload_saved" in choices else 0))
+    return peak, sum(c.seconds[x] for c, x in zip(timed, choices, strict=True))
 
 
 def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 0, saved_extra: int = 0,
-          choices: Sequence[str] = CHOICES) -> Plan:
+          choices: Sequence[str] = CHOICES, loss_base: int | None = None) -> Plan:
     """The per-layer choices with the least predicted time (:func:`predict`) whose predicted peak fits ``budget``
     bytes, exactly.
 
     A dynamic programme over the layers keeps, after each layer, the Pareto front of (bytes held, time) over the
     choices so far -- a partial plan that holds more bytes *and* takes longer than another can never be part of the
-    best plan -- so the answer is the exact optimum, to the byte (layers of one kind keep the front small).
+    best plan, since the loss and every later layer's backward hold those bytes beside their own -- so the answer
+    is the exact optimum of :func:`predict`, to the byte (layers of one kind keep the front small).
 
     Args:
         costs: each decoder layer's :class:`LayerCost`, in order, at the tokens to plan for.
         budget: bytes the step may peak at.
         base: predicted peak with every layer offloaded (weights, optimizer state, logits, the recompute's
             workspace and the staging buffers all in it).
+        loss_base: the same plan's peak up to the loss (before the decoder layers' backward), where known: then
+            ``base`` bounds the backward alone, and a plan keeping the last layers is not charged for them twice.
         staging: the offload's staging buffers, in ``base``: a plan that offloads no layer does not need them.
         saved_extra: what a plan with ``offload_saved`` layers holds on top of ``base`` (their stores in flight in
             the forward, the prefetched layer beside the current one in the backward).
@@ -144,25 +184,29 @@ def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 
     Raises:
         BudgetError: when not even every layer offloaded fits.
     """
-    if base > budget:
+    smallest = max(base, base if loss_base is None else loss_base)
+    if smallest > budget:
         raise BudgetError(f"memory_budget {_size(budget)} is below the smallest plan's peak "
-                          f"({_size(base)}, every layer offloaded): give at least {_size(base)}")
+                          f"({_size(smallest)}, every layer offloaded): give at least {_size(smallest)}")
     choices = [c for c in choices if all(c in cost.held and c in cost.seconds for cost in costs)]
     timed = _with_first_reload(costs)
+    at_loss, most = _smallest(costs)
     best: Plan | None = None
     # four cases: some layer offloads its input (the staging buffers are paid) or none does (they are not); some
     # layer offloads its saved activations (the prefetched layer's activations are paid) or none does
     for offloads in (True, False):
         for saves in (True, False):
             allowed = tuple(c for c in choices if (offloads or c != "offload") and (saves or c != "offload_saved"))
-            slack = budget - base + (0 if offloads else staging) - (saved_extra if saves else 0)
-            if not allowed or slack < 0:
+            extra = (0 if offloads else staging) - (saved_extra if saves else 0)
+            total = budget - (base if loss_base is None else loss_base) + at_loss + extra
+            backward = budget - base + most + extra
+            if not allowed or min(total, backward) < 0:
                 continue
-            found = _best_plan(timed, allowed, slack)
+            found = _best_plan(timed, allowed, total, backward)
             if found is None:
                 continue
             cs_, _, seconds = found
-            peak, _ = predict(costs, cs_, base, staging=staging, saved_extra=saved_extra)
+            peak, _ = predict(costs, cs_, base, staging=staging, saved_extra=saved_extra, loss_base=loss_base)
             plan = Plan(cs_, budget, peak, seconds, costs[0].tokens if costs else 0)
             if best is None or (plan.seconds, plan.peak) < (best.seconds, best.peak):
                 best = plan
@@ -171,4 +215,4 @@ def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 
     return best
 
 
-__all__ = ["CHOICES", "GiB", "LayerCost", "BudgetError", "Plan", "predict", "solve"]
+__all__ = ["CHOICES", "GiB", "LayerCost", "BudgetError", "Plan", "alive", "predict", "solve"]
