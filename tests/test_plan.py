@@ -569,12 +569,12 @@ def test_budget_scenario_runs_the_frontier_from_the_smallest_plan_to_keeping_eve
 
 # -- CUDA: the plan holds its budget where memory is measured --------------------------------------------------------
 @pytest.mark.cuda
-@pytest.mark.parametrize("kept, fused_loss", [(1, False), (3, False), (0, True), (3, True)])
+@pytest.mark.parametrize("kept, fused_loss", [(1, False), (3, False), (1, True), (3, True)])
 def test_cuda_plan_holds_its_budget_and_trains_as_plain_training(kept, fused_loss):
     """A budget with room for ``kept`` kept layers (and half of one more) above the smallest plan: the solved plan
     mixes choices, the measured peak stays under the budget (and near the prediction), and the losses equal plain
-    training's to bf16 rounding. With the 152k-vocabulary loss unfused the loss sets the smallest plan's peak; fused,
-    the last layer's recompute does, and a kept last layer is free (``kept=0``: it is kept)."""
+    training's to bf16 rounding; with the 152k-vocabulary loss unfused and fused (its peak to the loss far lower:
+    the step's two phases, each moved by what the plan's layers hold there)."""
     model = build_model("qwen3-0.6b", device="cuda", dtype=torch.bfloat16, num_layers=8, lora=LoraSettings(rank=8))
     model.train()
     inputs = {k: v.cuda() if torch.is_tensor(v) else v for k, v in _batch(tokens=4096, row=2048, vocab=1000).items()}
@@ -596,8 +596,6 @@ def test_cuda_plan_holds_its_budget_and_trains_as_plain_training(kept, fused_los
         assert len(set(planner.plan.choices)) > 1, \
             (planner.plan.describe(), planner.base(4096) / GiB, loss_base / GiB, budget / GiB,
              {k: c.held for k, c in planner.costs.items()})
-        if kept == 0:
-            assert planner.plan.choices[-1] == "keep", planner.plan.describe()
         torch.cuda.reset_peak_memory_stats()
         loss = _step(model, inputs)[0]
         peak = torch.cuda.max_memory_allocated()
