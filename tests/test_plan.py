@@ -225,28 +225,41 @@ def test_measured_bytes_order_the_choices_and_grow_with_tokens():
 
 
 # -- the solver ------------------------------------------------------------------------------------------------------
-def _cost(keep, sel, ckpt, seconds=(1.0, 1.2, 1.5, 1.6, 10.0), tokens=1000, saved=0):
-    """A layer's costs; offload_saved (the fifth) by default over a slow link (10 s: never the fastest)."""
+def _cost(keep, sel, ckpt, seconds=(1.0, 1.2, 1.5, 1.6, 10.0), tokens=1000, saved=0, transient=None):
+    """A layer's costs; offload_saved (the fifth) by default over a slow link (10 s: never the fastest). With
+    ``transient`` (what a recomputed layer's forward allocates at once) the forwards' most is set too."""
+    forward = {} if transient is None else {"keep": keep + transient // 4, "selective": sel + transient,
+                                            "checkpoint": transient, "offload": transient,
+                                            "offload_saved": transient + saved}
     return P.LayerCost("layer", tokens, dict(zip(P.CHOICES, seconds)),
-                       {"keep": keep, "selective": sel, "checkpoint": ckpt, "offload": 0, "offload_saved": saved})
+                       {"keep": keep, "selective": sel, "checkpoint": ckpt, "offload": 0, "offload_saved": saved},
+                       forward=forward)
 
 
-def _phased_peak(costs, cs, base, loss_base):
-    """A plan's peak from the two phases of a step measured with every layer offloaded (holding nothing): up to
-    the loss each layer holds what it keeps; walking the backward from the last layer to the first, layer i's
-    activations are all there beside what the layers before it keep. ``base`` has the largest layer's activations in
-    it (its recompute); ``loss_base`` None: the whole step's peak stands for the loss phase too."""
+def _phased_peak(costs, cs, base, loss_base, forward_base=None):
+    """A plan's peak from the three phases of a step measured with every layer offloaded (holding nothing): in
+    layer i's forward its forward's most beside what the layers before it keep (``forward_base`` has the largest
+    recomputed forward in it); at the loss each layer holds what it keeps; walking the backward from the last layer
+    to the first, layer i's activations are all there beside what the layers before it keep (``base`` has the
+    largest layer's activations in it: its recompute). ``loss_base`` None: the whole step's peak stands for the
+    loss; a forward not measured per layer: every layer's bytes added whole."""
     held = [c.held[x] for c, x in zip(costs, cs)]
     loss = (base if loss_base is None else loss_base) + sum(held)
     largest = max(c.held["keep"] for c in costs)
     backward = max(base - largest + sum(held[:i]) + costs[i].held["keep"] for i in reversed(range(len(costs))))
-    return max(loss, backward)
+    forward = -1
+    if forward_base is not None and all(c.forward for c in costs):
+        transient = max(c.forward["offload"] for c in costs)
+        forward = max(forward_base - transient + sum(held[:i]) + costs[i].forward[x] for i, x in enumerate(cs))
+    elif forward_base is not None:
+        forward = forward_base + sum(held)
+    return max(loss, backward, forward)
 
 
-def _exhaustive(costs, budget, base, staging, saved_extra=0, loss_base=None):
+def _exhaustive(costs, budget, base, staging, saved_extra=0, loss_base=None, forward_base=None):
     best = None
     for cs in itertools.product(P.CHOICES, repeat=len(costs)):
-        peak = (_phased_peak(costs, cs, base, loss_base) - (0 if "offload" in cs else staging)
+        peak = (_phased_peak(costs, cs, base, loss_base, forward_base) - (0 if "offload" in cs else staging)
                 + (saved_extra if "offload_saved" in cs else 0))
         if peak <= budget:
             t = sum(c.seconds[x] for c, x in zip(costs, cs))
@@ -269,9 +282,11 @@ def test_a_noisy_keep_reading_cannot_make_keeping_dearer_than_recomputing(monkey
                            x, [], resident=[*layer.parameters()], repeats=1)
     assert cost.seconds["keep"] == 0.2 and cost.seconds["checkpoint"] == 0.3
 
-@pytest.mark.parametrize("phased", [False, True], ids=["whole-step-peak", "loss-and-backward-peaks"])
+@pytest.mark.parametrize("phased", [None, "loss", "forward", "layer-forwards"])
 @pytest.mark.parametrize("seed", range(20))
 def test_solver_equals_exhaustive_search(seed, phased):
+    """The solver's plan is the fastest of every per-layer plan whose peak fits, for a step's peak measured whole
+    (``None``) or by phase: loss and backward apart; the forward too, without or with each layer's forward."""
     rng = random.Random(seed)
     n = rng.randint(3, 7)
     costs = []
@@ -281,19 +296,25 @@ def test_solver_equals_exhaustive_search(seed, phased):
         keep = sel + rng.randint(0, 600)
         t = sorted(rng.uniform(1, 3) for _ in range(4))
         # offload_saved: keep's time plus what the link does not hide (none to more than a recompute)
-        costs.append(_cost(keep, sel, ckpt, (*t, t[0] + rng.uniform(0, 3)), saved=rng.randint(0, 20)))
+        costs.append(_cost(keep, sel, ckpt, (*t, t[0] + rng.uniform(0, 3)), saved=rng.randint(0, 20),
+                           transient=rng.randint(100, 500) if phased == "layer-forwards" else None))
     base, staging, saved_extra = 1000, 2 * 100, max(c.held["keep"] for c in costs)
-    # the backward's peak above the loss's by up to two layers' activations (a fused loss), or below it
+    # the backward's peak above the loss's by up to two layers' activations (a fused loss), or below it; the
+    # forward's about the loss's
     loss_base = base - rng.randint(-200, 2 * saved_extra) if phased else None
-    budget = max(base, loss_base or 0) + rng.randint(0, sum(c.held["keep"] for c in costs) + saved_extra)
-    plan = P.solve(costs, budget, base, staging=staging, saved_extra=saved_extra, loss_base=loss_base)
-    best = _exhaustive(costs, budget, base, staging, saved_extra, loss_base)
-    assert plan.peak <= budget
+    forward_base = loss_base + rng.randint(-300, 300) if phased in ("forward", "layer-forwards") else None
+    budget = max(base, loss_base or 0, forward_base or 0) + rng.randint(0, sum(c.held["keep"] for c in costs)
+                                                                        + saved_extra)
+    plan = P.solve(costs, budget, base, staging=staging, saved_extra=saved_extra, loss_base=loss_base,
+                   forward_base=forward_base)
+    best = _exhaustive(costs, budget, base, staging, saved_extra, loss_base, forward_base)
+    assert plan.peak <= budget and plan.peak == _phased_peak(costs, plan.choices, base, loss_base, forward_base) \
+        - (0 if "offload" in plan.choices else staging) + (saved_extra if "offload_saved" in plan.choices else 0)
     assert plan.seconds == pytest.approx(best[0], rel=1e-12), (plan, best)
     assert plan.seconds == pytest.approx(sum(c.seconds[x] for c, x in zip(costs, plan.choices)))
 
 
-@pytest.mark.parametrize("phased", [False, True], ids=["whole-step-peak", "loss-and-backward-peaks"])
+@pytest.mark.parametrize("phased", [False, True], ids=["whole-step-peak", "three-phases"])
 @pytest.mark.parametrize("seed", range(8))
 def test_ranked_search_is_the_exhaustive_search_and_solve_is_its_first(seed, phased):
     """The budget scenario's ``ranked`` (what it measures the solver against) enumerates every plan: its first is the
@@ -302,23 +323,28 @@ def test_ranked_search_is_the_exhaustive_search_and_solve_is_its_first(seed, pha
     rng = random.Random(100 + seed)
     n = rng.randint(3, 6)
     costs = [_cost(300 + rng.randint(0, 600), 200, 60, tuple(sorted(rng.uniform(1, 3) for _ in range(4)))
-                   + (rng.uniform(1, 4),), saved=rng.randint(0, 20)) for _ in range(n)]
+                   + (rng.uniform(1, 4),), saved=rng.randint(0, 20),
+                   transient=rng.randint(100, 400) if phased else None) for _ in range(n)]
     costs[-1] = dataclasses.replace(costs[-1], first_reload=rng.uniform(0, 1))
     base, staging, saved_extra = 1000, 200, 50
     loss_base = base - rng.randint(0, 900) if phased else None
+    forward_base = base - rng.randint(0, 900) if phased else None
     budget = base + rng.randint(200 * n, sum(c.held["keep"] for c in costs) + saved_extra)
-    plans = ranked(costs, budget, base, staging=staging, saved_extra=saved_extra, limit=5, loss_base=loss_base)
+    plans = ranked(costs, budget, base, staging=staging, saved_extra=saved_extra, limit=5, loss_base=loss_base,
+                   forward_base=forward_base)
     timed = [*costs[:-1], dataclasses.replace(costs[-1], seconds={**costs[-1].seconds, "offload_saved":
                                               costs[-1].seconds["offload_saved"] + costs[-1].first_reload})]
-    best = _exhaustive(timed, budget, base, staging, saved_extra, loss_base)
-    solved = P.solve(costs, budget, base, staging=staging, saved_extra=saved_extra, loss_base=loss_base)
+    best = _exhaustive(timed, budget, base, staging, saved_extra, loss_base, forward_base)
+    solved = P.solve(costs, budget, base, staging=staging, saved_extra=saved_extra, loss_base=loss_base,
+                     forward_base=forward_base)
     assert plans[0].seconds == pytest.approx(best[0], rel=1e-12) == pytest.approx(solved.seconds, rel=1e-12)
     assert [p.seconds for p in plans] == sorted(p.seconds for p in plans)
     assert len({(p.peak, round(p.seconds, 12)) for p in plans}) == len(plans) > 1
     for p in plans:
         assert p.peak <= budget
         assert (p.peak, p.seconds) == pytest.approx(P.predict(costs, p.choices, base, staging=staging,
-                                                               saved_extra=saved_extra, loss_base=loss_base))
+                                                               saved_extra=saved_extra, loss_base=loss_base,
+                                                               forward_base=forward_base))
 
 
 def test_ranked_refuses_a_search_too_large_to_enumerate():
@@ -362,6 +388,15 @@ def test_solver_keeps_the_last_layer_free_where_the_backward_sets_the_peak():
     plan = P.solve(costs, loss_base + 7 * 4096 + 512, base, staging=0, loss_base=loss_base)
     assert plan.choices.count("keep") == 7 and plan.choices.count("checkpoint") == 1, plan
     assert plan.choices[-1] == "keep" and alive(costs, plan.choices) == 512 + 7 * 4096
+    # the forward measured apart (CUDA): a recomputed layer's forward allocates 1024 at once, a kept one its 4096
+    # and 1024 / 4 more: with the forward at 9_000 + 1024, keeping the last layer peaks there at 9_000 + 4096 + 256
+    # and at the loss at 10_000 - 1024 + 4096: both under the backward's
+    layered = [_cost(4096, 4000, 512, transient=1024) for _ in range(8)]
+    plan = P.solve(layered, base, base, staging=0, loss_base=10_000 - 1024, forward_base=9_000 + 1024)
+    assert plan.choices == ("offload",) * 7 + ("keep",) and plan.peak == base, plan
+    # 1000 more in the forward: the kept layer's forward would pass the budget by 256
+    assert "keep" not in P.solve(layered, base, base, staging=0, loss_base=10_000 - 1024,
+                                 forward_base=10_000 + 1024).choices
 
 
 def test_solver_drops_the_staging_buffers_when_nothing_offloads():
@@ -588,14 +623,15 @@ def test_cuda_plan_holds_its_budget_and_trains_as_plain_training(kept, fused_los
         # its own, whose base need not be this one's: on the H200 it came out above this budget, 8.93 > 8.84 GiB)
         planner = P.memory_planner(model)
         keep = max(planner.costs[k].held["keep"] for k in planner.kinds)
-        budget = int(planner.base(4096) + (kept + 0.5) * keep)
+        budget = int(planner.smallest(4096) + (kept + 0.5) * keep)
         planner.budget = budget
         planner.plan = planner.solve(4096)
-        loss_base = planner.loss_base(4096)
-        assert loss_base is not None and loss_base <= planner.base(4096)
+        loss_base, forward_base = planner.loss_base(4096), planner.forward_base(4096)
+        assert loss_base is not None and forward_base is not None and loss_base <= planner.base(4096)
+        assert all(c.forward for c in planner.costs.values())
         assert len(set(planner.plan.choices)) > 1, \
-            (planner.plan.describe(), planner.base(4096) / GiB, loss_base / GiB, budget / GiB,
-             {k: c.held for k, c in planner.costs.items()})
+            (planner.plan.describe(), forward_base / GiB, loss_base / GiB, planner.base(4096) / GiB, budget / GiB,
+             {k: (c.held, c.forward) for k, c in planner.costs.items()})
         torch.cuda.reset_peak_memory_stats()
         loss = _step(model, inputs)[0]
         peak = torch.cuda.max_memory_allocated()

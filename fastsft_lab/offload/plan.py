@@ -24,14 +24,16 @@ How a plan is made (:class:`MemoryPlanner`, switched on by ``apply(model, memory
 1. step 1 runs with every layer offloaded (the smallest plan: it fits wherever any plan fits). The first call of
    each kind of layer (full and sliding-window attention differ) is measured on the step's own input, outside the
    step: each choice's forward + backward time and bytes held to the backward, and the host-link time of its input
-   (:func:`measure_layer`). The step's peak memory is read twice (CUDA): when the decoder layers' backward starts
-   (the forward and the loss behind it) and when the first layer's backward starts.
+   (:func:`measure_layer`). The step's peak memory is read in three phases (CUDA): at the end of the forward (then
+   the counter is reset), when the decoder layers' backward starts (the loss behind it) and when the first layer's
+   backward starts.
 2. at the start of step 2 the plan is solved (:func:`solve`): the per-layer choices that minimise the predicted
    step time with a predicted peak within the budget, exactly (a dynamic programme over the layers). The peak is
-   the larger of the two phases, each moved by what the plan's layers hold there: up to the loss every layer
-   holds what it keeps; in layer ``i``'s backward the layers before it hold what they keep and layer ``i`` all its
-   activations (:func:`fastsft_lab.offload.solver.alive`), so a kept last layer costs nothing the recompute did
-   not already need. The plan is logged and shown by :func:`fastsft_lab.state`.
+   the largest of the three phases, each moved by what the plan's layers hold there: in layer ``i``'s forward the
+   layers before it hold what they keep beside its forward's most; at the loss every layer holds what it keeps;
+   in layer ``i``'s backward the layers before it hold what they keep and layer ``i`` all its activations
+   (:func:`fastsft_lab.offload.solver.alive`), so a kept last layer costs little more than the recompute already
+   needed. The plan is logged and shown by :func:`fastsft_lab.state`.
 3. a later batch with more tokens than the plan was made for re-plans on the host (token counts are shapes: no host
    sync); ``max_tokens`` plans for the largest batch up front.
 
@@ -185,6 +187,17 @@ def _timed(device: torch.device, fn: Callable[[], Any], repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _forward_peak(device: torch.device, forward: Callable[[], Any]) -> int:
+    """The most ``forward()`` allocates at once on ``device`` (CUDA), its output included. Resets the peak counter
+    (the planner resets it again after its measurement)."""
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    out = forward()
+    most = torch.cuda.max_memory_allocated(device) - before
+    del out
+    return most
+
+
 def _allocated_now(device: torch.device) -> int | None:
     """Bytes the caching allocator has handed out on ``device`` (CUDA), None where there is no such reading."""
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
@@ -240,6 +253,12 @@ def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Te
     runners: dict[str, Callable] = {"keep": lambda f, a: f(a), "selective": functools.partial(
         selective_checkpoint, unsaved=unsaved), "checkpoint": full_checkpoint}
     seconds = {c: _timed(device, functools.partial(step, run), repeats) for c, run in runners.items()}
+    # the most each choice's forward allocates at once (CUDA): a kept layer's activations with the transients of its
+    # forward, a recomputed one's transients beside what it saves; offload's is checkpoint's (its input leaves later)
+    forward: dict[str, int] = {}
+    if device.type == "cuda":
+        forward = {c: _forward_peak(device, functools.partial(run, function, inp)) for c, run in runners.items()}
+        forward["offload"] = forward["checkpoint"]
     # keep runs a subset of every other choice's kernels: a reading above theirs is noise (a busy host), not cost
     seconds["keep"] = min(seconds.values())
 
@@ -259,7 +278,9 @@ def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Te
     first_reload = h2d * ratio - exposed
     held = {"keep": keep, "selective": selective, "checkpoint": in_bytes, "offload": 0,
             "offload_saved": sum(b for b in small_saved if b < SAVED_MIN_BYTES)}
-    return LayerCost(kind, int(x.shape[:-1].numel()), seconds, held, unsaved, readings, first_reload)
+    if forward:          # offload_saved: keep's forward, its stores in flight (saved_extra) aside, what stays
+        forward["offload_saved"] = forward["checkpoint"] + held["offload_saved"]
+    return LayerCost(kind, int(x.shape[:-1].numel()), seconds, held, unsaved, readings, first_reload, forward)
 
 
 # -- on a live model -------------------------------------------------------------------------------------------------
@@ -340,8 +361,9 @@ class MemoryPlanner:
     plan: Plan | None = None
     steps: int = 0
     static: int = 0            # bytes allocated at step 1's first layer, less its input (weights, optimizer, ...)
-    peak: int | None = None    # step 1's measured peak (CUDA), read when the first layer's backward starts
-    loss_peak: int | None = None   # step 1's peak read when the last layer's backward starts: forward and loss
+    peak: int | None = None    # step 1's measured peak (CUDA) after its forward, read when the first layer's backward starts
+    loss_peak: int | None = None   # step 1's peak read when the last layer's backward starts (the loss)
+    forward_peak: int | None = None   # step 1's peak read at the end of the forward (then the counter is reset)
     tokens: int = 0            # tokens of step 1
     allowance: int = 0         # optimizer state not yet allocated at step 1
     staging: int = 0           # the staging buffers at step 1's tokens
@@ -371,10 +393,19 @@ class MemoryPlanner:
         out = self.offload[index](function, *args, **kwargs)
         if self.plan is None:
             if index == len(self.layers) - 1:
+                self._end_of_forward()
                 self._watch_peak(out, "loss_peak")
             if index == 0:
                 self._watch_peak(out, "peak")
         return out
+
+    @torch.compiler.disable
+    def _end_of_forward(self) -> None:
+        """Step 1, after the last layer's forward: read the forward's peak, then reset the counter so that the loss
+        and the backward are read apart. A host-side counter: no sync."""
+        if self.device.type == "cuda" and self.forward_peak is None:
+            self.forward_peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     @torch.compiler.disable
     def _watch_peak(self, out, name: str) -> None:
@@ -476,12 +507,25 @@ class MemoryPlanner:
         return self.fixed_cpu + self.allowance + int(math.ceil(self.staging * r)) + worst
 
     def loss_base(self, tokens: int) -> int | None:
-        """Predicted peak with every layer offloaded up to the decoder layers' backward (forward and loss), at
-        ``tokens`` tokens; None where step 1 did not read it (a CPU, no backward through the last layer)."""
+        """Predicted peak with every layer offloaded from the end of the forward to the decoder layers' backward
+        (the loss), at ``tokens`` tokens; None where step 1 did not read it (a CPU, no backward through the last
+        layer)."""
         if self.loss_peak is None or self.peak is None:
             return None
-        return self.static + int(math.ceil((min(self.loss_peak, self.peak) - self.static) * tokens / self.tokens)) \
-            + self.allowance
+        return self._scaled(min(self.loss_peak, self.peak), tokens)
+
+    def forward_base(self, tokens: int) -> int | None:
+        """Predicted peak with every layer offloaded in the forward, at ``tokens`` tokens; None where not read."""
+        return None if self.forward_peak is None or self.loss_peak is None else self._scaled(self.forward_peak, tokens)
+
+    def _scaled(self, peak: int, tokens: int) -> int:
+        return self.static + int(math.ceil((peak - self.static) * tokens / self.tokens)) + self.allowance
+
+    def smallest(self, tokens: int) -> int:
+        """Predicted peak of the smallest plan (every layer offloaded) at ``tokens`` tokens: the least budget."""
+        problem = self.problem(tokens)
+        return predict(problem["costs"], ["offload"] * len(problem["costs"]),
+                       **{k: problem[k] for k in ("base", "loss_base", "forward_base", "staging", "saved_extra")})[0]
 
     def solve(self, tokens: int, budget: int | None = None) -> Plan:
         """The plan for ``tokens`` tokens under ``budget`` bytes (default: this planner's budget)."""
@@ -503,6 +547,7 @@ class MemoryPlanner:
         if self.unified:     # "host" memory is the GPU's own: an offloaded byte is still a used byte
             choices = tuple(c for c in choices if c not in ("offload", "offload_saved"))
         return {"costs": costs, "base": self.base(tokens), "loss_base": self.loss_base(tokens),
+                "forward_base": self.forward_base(tokens),
                 "staging": int(math.ceil(self.staging * tokens / self.tokens)),
                 "saved_extra": self._saved_extra(worst), "choices": choices}
 

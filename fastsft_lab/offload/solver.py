@@ -38,6 +38,10 @@ class LayerCost:
     # offload_saved in the layer whose backward runs first (the last layer): its reload has no later layer's backward
     # to hide behind, so the part of it the other layers hide is paid here (seconds)
     first_reload: float = 0.0
+    # CUDA: the most the layer's forward allocates at once under each choice (its output, what it keeps and what it
+    # frees before returning: a kept layer's activations and the transients of a recomputed one overlap); empty
+    # where not measured (a CPU): then the forward phase is not predicted apart
+    forward: dict = field(default_factory=dict)
 
     @property
     def pinned(self) -> int:
@@ -51,7 +55,8 @@ class LayerCost:
         return replace(self, tokens=tokens, seconds={c: s * r for c, s in self.seconds.items()},
                        held={c: int(math.ceil(b * r)) for c, b in self.held.items()},
                        readings={k: int(math.ceil(b * r)) for k, b in self.readings.items()},
-                       first_reload=self.first_reload * r)
+                       first_reload=self.first_reload * r,
+                       forward={c: int(math.ceil(b * r)) for c, b in self.forward.items()})
 
 
 class BudgetError(ValueError):
@@ -93,29 +98,40 @@ def alive(costs: Sequence[LayerCost], choices: Sequence[str]) -> int:
     return most
 
 
-def _smallest(costs: Sequence[LayerCost]) -> tuple[int, int]:
-    """What the layers hold in the plan the bases were measured on (every layer offloaded): (at the loss, at most
-    in the backward)."""
-    offload = [c.held.get("offload", 0) for c in costs]
+def forward_most(costs: Sequence[LayerCost], choices: Sequence[str]) -> int:
+    """The most bytes the decoder layers hold at once in the forward: in layer ``i``'s forward what the layers before
+    it keep, beside its own forward's most (:attr:`LayerCost.forward`)."""
     held = most = 0
-    for cost, b in zip(costs, offload):
-        most = max(most, held + cost.held["keep"])
-        held += b
-    return held, most
+    for cost, choice in zip(costs, choices, strict=True):
+        most = max(most, held + cost.forward[choice])
+        held += cost.held[choice]
+    return most
 
 
-def _best_plan(costs: Sequence[LayerCost], allowed: tuple, total: int, most: int) -> tuple[tuple, int, float] | None:
-    """The least-time choices among ``allowed`` whose layers hold at most ``total`` bytes at the loss and at most
-    ``most`` in the backward (:func:`alive`): (choices, bytes held at the loss, seconds)."""
+def _smallest(costs: Sequence[LayerCost]) -> tuple[int, int, int | None]:
+    """What the layers hold in the plan the bases were measured on (every layer offloaded): (at the loss, at most
+    in the backward, at most in the forward where measured)."""
+    offload = ["offload" if "offload" in c.held else "checkpoint" for c in costs]
+    forward = forward_most(costs, offload) if all(c.forward for c in costs) else None
+    return sum(c.held[x] for c, x in zip(costs, offload)), alive(costs, offload), forward
+
+
+def _best_plan(costs: Sequence[LayerCost], allowed: tuple, total: int, most: int,
+               forward: int | None = None) -> tuple[tuple, int, float] | None:
+    """The least-time choices among ``allowed`` whose layers hold at most ``total`` bytes at the loss, at most
+    ``most`` in the backward (:func:`alive`) and, given, at most ``forward`` in the forward (:func:`forward_most`):
+    (choices, bytes held at the loss, seconds)."""
     # front: (bytes held by the layers so far, seconds, choices as a linked list (previous, choice)), bytes ascending
     # and seconds strictly descending; a partial plan holding fewer bytes leaves every later layer more room (at the
     # loss and in each later layer's backward), so one holding more bytes *and* taking longer is never in the best
     front: list[tuple[int, float, Any]] = [(0, 0.0, None)]
     for cost in costs:
         room = most - cost.held["keep"]            # this layer's backward: its activations beside the earlier layers'
-        options = [(cost.held[c], cost.seconds[c], c) for c in allowed]
+        # this layer's forward: its most beside the earlier layers' (no bound where the forward is not measured)
+        options = [(cost.held[c], cost.seconds[c], c, -math.inf if forward is None else cost.forward[c] - forward)
+                   for c in allowed]
         cand = sorted((b + w, t + s, (cs, c)) for b, t, cs in front if b <= room
-                      for w, s, c in options if b + w <= total)
+                      for w, s, c, over in options if b + w <= total and b + over <= 0)
         front = []
         for b, t, cs in cand:
             if not front or t < front[-1][1]:
@@ -141,27 +157,35 @@ def _with_first_reload(costs: Sequence[LayerCost]) -> list[LayerCost]:
 
 
 def predict(costs: Sequence[LayerCost], choices: Sequence[str], base: int, *, staging: int = 0,
-            saved_extra: int = 0, loss_base: int | None = None) -> tuple[int, float]:
+            saved_extra: int = 0, loss_base: int | None = None, forward_base: int | None = None
+            ) -> tuple[int, float]:
     """The predicted peak (bytes) and decoder-layer time (seconds) of one per-layer plan, as :func:`solve` bounds and
     minimises them.
 
-    The peak is the larger of two phases, each measured with every layer offloaded and moved by what this plan's
-    layers hold there: up to the loss (``loss_base``; every layer holds what it keeps) and in the decoder layers'
-    backward (``base``; :func:`alive`). Without ``loss_base`` the whole-step ``base`` stands for both (an upper
-    bound). The staging buffers count when some layer offloads its input, ``saved_extra`` when some layer offloads
-    its saved activations."""
+    The peak is the largest of three phases, each measured with every layer offloaded and moved by what this plan's
+    layers hold there: the forward (``forward_base``; :func:`forward_most`), from its end to the decoder layers'
+    backward (``loss_base``: the loss; every layer holds what it keeps) and that backward (``base``;
+    :func:`alive`). A phase not measured apart is in the next one's base (the forward in ``loss_base``, both in
+    ``base``), which then bounds it: every layer's bytes added whole. The staging buffers count when some layer
+    offloads its input, ``saved_extra`` when some layer offloads its saved activations."""
     timed = _with_first_reload(costs)
-    at_loss, most = _smallest(costs)
+    at_loss, most, forward_off = _smallest(costs)
     loss = (base if loss_base is None else loss_base) + sum(
         c.held[x] for c, x in zip(costs, choices, strict=True)) - at_loss
     backward = base + alive(costs, choices) - most
-    peak = (max(loss, backward) - (0 if "offload" in choices else staging)
-            + (saved_extra if "offload_saved" in choices else 0))
+    if forward_base is None:
+        forward: float = -math.inf
+    elif forward_off is None:       # the layers' forwards not measured: every layer's bytes added whole
+        forward = forward_base + loss - (base if loss_base is None else loss_base)
+    else:
+        forward = forward_base + forward_most(costs, choices) - forward_off
+    peak = int(max(loss, backward, forward) - (0 if "offload" in choices else staging)
+               + (saved_extra if "offload_saved" in choices else 0))
     return peak, sum(c.seconds[x] for c, x in zip(timed, choices, strict=True))
 
 
 def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 0, saved_extra: int = 0,
-          choices: Sequence[str] = CHOICES, loss_base: int | None = None) -> Plan:
+          choices: Sequence[str] = CHOICES, loss_base: int | None = None, forward_base: int | None = None) -> Plan:
     """The per-layer choices with the least predicted time (:func:`predict`) whose predicted peak fits ``budget``
     bytes, exactly.
 
@@ -175,8 +199,11 @@ def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 
         budget: bytes the step may peak at.
         base: predicted peak with every layer offloaded (weights, optimizer state, logits, the recompute's
             workspace and the staging buffers all in it).
-        loss_base: the same plan's peak up to the loss (before the decoder layers' backward), where known: then
-            ``base`` bounds the backward alone, and a plan keeping the last layers is not charged for them twice.
+        loss_base: the same plan's peak from the end of the forward to the decoder layers' backward (the loss),
+            where measured apart: then ``base`` bounds the backward alone, and a plan keeping the last layers is not
+            charged for them twice.
+        forward_base: the same plan's peak in the forward, where measured apart (with :attr:`LayerCost.forward`):
+            then ``loss_base`` bounds the loss alone.
         staging: the offload's staging buffers, in ``base``: a plan that offloads no layer does not need them.
         saved_extra: what a plan with ``offload_saved`` layers holds on top of ``base`` (their stores in flight in
             the forward, the prefetched layer beside the current one in the backward).
@@ -184,13 +211,14 @@ def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 
     Raises:
         BudgetError: when not even every layer offloaded fits.
     """
-    smallest = max(base, base if loss_base is None else loss_base)
+    smallest = predict(costs, ["offload" if "offload" in c.held else "checkpoint" for c in costs], base,
+                       loss_base=loss_base, forward_base=forward_base)[0]
     if smallest > budget:
         raise BudgetError(f"memory_budget {_size(budget)} is below the smallest plan's peak "
                           f"({_size(smallest)}, every layer offloaded): give at least {_size(smallest)}")
     choices = [c for c in choices if all(c in cost.held and c in cost.seconds for cost in costs)]
     timed = _with_first_reload(costs)
-    at_loss, most = _smallest(costs)
+    at_loss, most, forward_off = _smallest(costs)
     best: Plan | None = None
     # four cases: some layer offloads its input (the staging buffers are paid) or none does (they are not); some
     # layer offloads its saved activations (the prefetched layer's activations are paid) or none does
@@ -200,13 +228,19 @@ def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 
             extra = (0 if offloads else staging) - (saved_extra if saves else 0)
             total = budget - (base if loss_base is None else loss_base) + at_loss + extra
             backward = budget - base + most + extra
-            if not allowed or min(total, backward) < 0:
+            forward = None if forward_base is None else budget - forward_base + extra
+            if forward is not None and forward_off is None:   # bounded as the loss is (:func:`predict`)
+                total, forward = min(total, forward + at_loss), None
+            elif forward is not None:
+                forward += forward_off
+            if not allowed or min(total, backward, math.inf if forward is None else forward) < 0:
                 continue
-            found = _best_plan(timed, allowed, total, backward)
+            found = _best_plan(timed, allowed, total, backward, forward)
             if found is None:
                 continue
             cs_, _, seconds = found
-            peak, _ = predict(costs, cs_, base, staging=staging, saved_extra=saved_extra, loss_base=loss_base)
+            peak, _ = predict(costs, cs_, base, staging=staging, saved_extra=saved_extra, loss_base=loss_base,
+                              forward_base=forward_base)
             plan = Plan(cs_, budget, peak, seconds, costs[0].tokens if costs else 0)
             if best is None or (plan.seconds, plan.peak) < (best.seconds, best.peak):
                 best = plan
@@ -215,4 +249,4 @@ def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 
     return best
 
 
-__all__ = ["CHOICES", "GiB", "LayerCost", "BudgetError", "Plan", "alive", "predict", "solve"]
+__all__ = ["CHOICES", "GiB", "LayerCost", "BudgetError", "Plan", "alive", "forward_most", "predict", "solve"]

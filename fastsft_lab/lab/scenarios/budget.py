@@ -120,7 +120,8 @@ def _inputs(batch, _prepared) -> dict:
 
 
 def ranked(costs, budget: int, base: int, *, staging: int = 0, saved_extra: int = 0, choices=P.CHOICES,
-           limit: int = 4, max_plans: int = 5**SEARCH_LAYERS, loss_base: int | None = None) -> list[P.Plan]:
+           limit: int = 4, max_plans: int = 5**SEARCH_LAYERS, loss_base: int | None = None,
+           forward_base: int | None = None) -> list[P.Plan]:
     """Exhaustive search: the ``limit`` plans with the least predicted time (:func:`fastsft_lab.offload.solver.predict`)
     among every per-layer choice that fits ``budget``, plans equal in predicted peak and time counted once (layers of
     one kind in another order). What the solver is checked against, on paper (tests) and measured (``search``); it
@@ -131,7 +132,8 @@ def ranked(costs, budget: int, base: int, *, staging: int = 0, saved_extra: int 
                          f"{len(choices) ** len(costs)} plans, more than {max_plans}: use fewer layers")
     found: dict[tuple[int, float], tuple[str, ...]] = {}
     for cs in itertools.product(choices, repeat=len(costs)):
-        peak, seconds = P.predict(costs, cs, base, staging=staging, saved_extra=saved_extra, loss_base=loss_base)
+        peak, seconds = P.predict(costs, cs, base, staging=staging, saved_extra=saved_extra, loss_base=loss_base,
+                                  forward_base=forward_base)
         if peak <= budget:
             found.setdefault((peak, round(seconds, 12)), cs)
     best = sorted(found.items(), key=lambda kv: (kv[0][1], kv[0][0]))[:limit]
@@ -285,7 +287,7 @@ class BudgetScenario(Scenario):
             costs = dict(planner.costs)
             full = [planner.costs[k].at(tokens) for k in planner.kinds]
             problem = planner.problem(tokens)
-            predicted = {k: problem[k] for k in ("base", "loss_base", "staging", "saved_extra")}
+            predicted = {k: problem[k] for k in ("base", "loss_base", "forward_base", "staging", "saved_extra")}
             base = P.predict(full, ["offload"] * len(full), **predicted)[0]
             keep_all = P.predict(full, ["keep"] * len(full), **predicted)[0]
             top = min(keep_all, P.budget_bytes(f"{USABLE:.0%}", device)) if device.type == "cuda" else keep_all
@@ -321,10 +323,10 @@ class BudgetScenario(Scenario):
                       "tokens_per_step": tokens, "row_tokens": opts.row_tokens, "steps": opts.steps,
                       "warmup": opts.warmup, "predicted_smallest_peak_bytes": base,
                       "predicted_keep_all_peak_bytes": keep_all,
-                      "smallest_peak_by_phase_bytes": {"whole_step": problem["base"],
-                                                        "to_the_loss": problem["loss_base"]},
+                      "smallest_peak_by_phase_bytes": {"forward": problem["forward_base"],
+                                                        "loss": problem["loss_base"], "backward": problem["base"]},
                       "layer_costs": {k: {"tokens": c.tokens, "seconds": c.seconds, "held_bytes": c.held,
-                                          "keep_readings_bytes": c.readings}
+                                          "forward_most_bytes": c.forward, "keep_readings_bytes": c.readings}
                                       for k, c in costs.items()}}
             result = make_result("budget", config, rows, device,
                                  "plans solved from costs measured on this model and batch; predicted peaks beside "
