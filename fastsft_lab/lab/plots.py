@@ -686,10 +686,14 @@ def plot_frontier(docs: Sequence[dict], root=None):
     """Per memory-plan frontier (``results.budget_results``): step time against measured peak memory (predicted
     where none was measured), the plans joined by a line from the smallest (every layer offloaded) to keeping
     everything, the README recipe and no checkpointing as their own markers, each plan labelled with its choices."""
-    from .results import frontier_peers, frontier_rows
+    from .results import frontier_peers, frontier_rows, run_of
     plt = _plt()
-    fig, axes = plt.subplots(1, len(docs), figsize=(5.2 * len(docs), 3.6), squeeze=False)
-    for ax, doc in zip(axes[0], docs, strict=True):
+    cols = min(3, len(docs))
+    rows_ = -(-len(docs) // cols)
+    fig, grid = plt.subplots(rows_, cols, figsize=(5.6 * cols, 4.9 * rows_), squeeze=False)
+    for ax in grid.flat[len(docs):]:
+        ax.remove()                                           # a short last row
+    for ax, doc in zip(grid.flat, docs):
         rows = [r for r in frontier_rows(doc, frontier_peers(doc, root)) if r["ms"] is not None]
         searched = [r for r in rows if r["searched"] is not None and (r["peak"] or r["predicted"])]
         if searched:
@@ -709,13 +713,17 @@ def plot_frontier(docs: Sequence[dict], root=None):
                 ax.plot([(r["peak"] or r["predicted"]) / 2**30], [r["ms"]], marker, color=color, ms=8,
                         label=r["name"], alpha=0.8)
         c = doc["config"]
-        ax.set_title(f"{c['model']}, {c.get('num_layers')} layers, {c.get('tokens_per_step')} tokens/step", fontsize=9)
+        floor = "Liger floor" if c.get("kernels") == "liger" else "default floor"
+        ax.set_title(f"{c['model']}, {c.get('num_layers')} layers, {c.get('tokens_per_step')} tokens/step, {floor}\n"
+                     f"{_where(doc)} ({run_of(doc)})", fontsize=8.5)
         ax.set_xlabel("peak memory, GiB" + ("" if plans and plans[0]["peak"] else " (predicted)"), fontsize=8)
         ax.set_ylabel("step ms (median; lower is better)", fontsize=8)
-        ax.set_ylim(0, 1.12 * max(r["ms"] for r in rows))
+        shown = [r for r in rows if r["budget"] is not None or r["searched"] is not None or r["peer"]
+                 or r["name"].startswith("offload x2") or r["name"] == "no checkpointing"]
+        ax.set_ylim(0, 1.12 * max(r["ms"] for r in shown or rows))
         ax.margins(x=0.15)                                   # room for the last plan's label
-        ax.legend(fontsize=7, loc="lower left")
-    fig.suptitle(f"the memory plan's frontier: {_where(docs[0])}", fontsize=8)
+        ax.legend(fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
+    fig.suptitle("the memory plan's frontier", fontsize=9)
     fig.tight_layout()
     return fig
 
