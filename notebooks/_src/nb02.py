@@ -432,6 +432,13 @@ and "every layer offloaded" there is a whole frontier, layer by layer:
   25 times its input at Qwen3-14B width — so it pays only where the link is that much faster than this notebook's
   (NVLink C2C hosts) or the rows are short; the plan prices it from the link it measures.
 
+Where each choice goes matters too. The backward runs the layers last to first: the last layer's activations are
+rebuilt first, beside everything the earlier layers hold, the first layer's last, when the later ones are freed. So
+a kept *last* layer costs about nothing where that first recompute sets the step's peak, and a recompute costs least
+in the *first* layers. On an H100 (Qwen3-14B x8, `h100-2026-12-05g`) "last layer kept, 7 offloaded" peaked at 6.60
+GiB like "8 offloaded" and ran 1.10x Unsloth's step at Unsloth's own peak (6.65 GiB); the plan predicts each phase
+of the step apart (forward, loss, backward) to see it.
+
 `fastsft_lab.apply(model, memory_budget=80)` measures each choice on the first step and picks the fastest mix that
 fits 80 GiB (`fastsft_lab.offload.plan`; every mix computes what plain training computes, tested on the CPU).
 `bench --only budget` measures the frontier; notebook 04 draws the ones committed from GPU runs.
