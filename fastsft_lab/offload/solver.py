@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 CHOICES = ("keep", "selective", "checkpoint", "offload", "offload_saved")
 GiB = 1 << 30
@@ -91,19 +91,21 @@ def alive(costs: Sequence[LayerCost], choices: Sequence[str]) -> int:
     they keep and layer ``i`` holds all its activations whatever its choice -- kept, rebuilt by a recompute or
     reloaded: ``held["keep"]``. A recompute therefore costs least in the first layers, whose backward runs last,
     and keeping the last layer costs nothing here (its activations are the ones rebuilt first anyway)."""
-    held = most = 0
-    for cost, choice in zip(costs, choices, strict=True):
-        most = max(most, held + cost.held["keep"])
-        held += cost.held[choice]
-    return most
+    return _most(costs, choices, lambda cost, _: cost.held["keep"])
 
 
 def forward_most(costs: Sequence[LayerCost], choices: Sequence[str]) -> int:
     """The most bytes the decoder layers hold at once in the forward: in layer ``i``'s forward what the layers before
     it keep, beside its own forward's most (:attr:`LayerCost.forward`)."""
+    return _most(costs, choices, lambda cost, choice: cost.forward[choice])
+
+
+def _most(costs: Sequence[LayerCost], choices: Sequence[str], own: Callable[[LayerCost, str], int]) -> int:
+    """The most bytes held at once when each layer in turn needs ``own(cost, choice)`` beside what the layers before
+    it keep."""
     held = most = 0
     for cost, choice in zip(costs, choices, strict=True):
-        most = max(most, held + cost.forward[choice])
+        most = max(most, held + own(cost, choice))
         held += cost.held[choice]
     return most
 
