@@ -530,6 +530,28 @@ def test_a_larger_batch_replans_for_its_tokens():
         fastsft_lab.revert(model)
 
 
+def test_step_ones_peaks_by_phase_make_the_bases_and_a_missing_one_folds_into_the_next():
+    """CUDA reads step 1's peak at the end of the forward (then resets the counter), at the loss and in the
+    backward; each phase's base scales with the tokens above what was allocated before the step. Where the loss was
+    not read apart, the forward's peak goes back into the whole step's (else it would be lost with the reset)."""
+    model = _model("tiny-qwen3")
+    fastsft_lab.apply(model, memory_budget=16)
+    try:
+        _step(model, _batch(tokens=128, row=64))
+        planner = P.memory_planner(model)
+        planner.static, planner.allowance, planner.tokens = 1000, 10, 128
+        planner.peak, planner.loss_peak, planner.forward_peak = 5000, 3000, 6000
+        assert (planner.forward_base(256), planner.loss_base(256), planner.base(256)) == (11_010, 5_010, 9_010)
+        problem = planner.problem(256)
+        assert planner.smallest(256) == P.predict(problem["costs"], ["offload"] * len(planner.layers), 9_010,
+                                                  loss_base=5_010, forward_base=11_010, staging=problem["staging"],
+                                                  saved_extra=problem["saved_extra"])[0] >= 11_010
+        planner.loss_peak = None
+        assert (planner.forward_base(128), planner.loss_base(128), planner.base(128)) == (None, None, 6010)
+    finally:
+        fastsft_lab.revert(model)
+
+
 def test_the_allocator_ceiling_is_reachable_memory_less_step_ones_slack():
     gib = P.GiB
     assert P.allocator_ceiling(free=2 * gib, reserved=10 * gib, peak_reserved=12 * gib, peak_allocated=9 * gib) \

@@ -361,7 +361,7 @@ class MemoryPlanner:
     plan: Plan | None = None
     steps: int = 0
     static: int = 0            # bytes allocated at step 1's first layer, less its input (weights, optimizer, ...)
-    peak: int | None = None    # step 1's measured peak (CUDA) after its forward, read when the first layer's backward starts
+    peak: int | None = None    # step 1's peak after its forward (CUDA), read when the first layer's backward starts
     loss_peak: int | None = None   # step 1's peak read when the last layer's backward starts (the loss)
     forward_peak: int | None = None   # step 1's peak read at the end of the forward (then the counter is reset)
     tokens: int = 0            # tokens of step 1
@@ -501,8 +501,9 @@ class MemoryPlanner:
     def base(self, tokens: int) -> int:
         """Predicted peak with every layer offloaded, at ``tokens`` tokens."""
         r = tokens / self.tokens
-        if self.peak is not None:
-            return self.static + int(math.ceil((self.peak - self.static) * r)) + self.allowance
+        if self.peak is not None:     # the forward's peak in it too where the loss's was not read apart
+            return self._scaled(self.peak if self.loss_peak is not None else max(self.peak, self.forward_peak or 0),
+                                tokens)
         worst = max(c.at(tokens).held["keep"] for c in self.costs.values())    # the recompute's activations
         return self.fixed_cpu + self.allowance + int(math.ceil(self.staging * r)) + worst
 
