@@ -522,11 +522,14 @@ class MemoryPlanner:
     def _scaled(self, peak: int, tokens: int) -> int:
         return self.static + int(math.ceil((peak - self.static) * tokens / self.tokens)) + self.allowance
 
+    def predict(self, tokens: int, choices: Sequence[str]) -> tuple[int, float]:
+        """:func:`predict` of the per-layer ``choices`` at ``tokens`` tokens: (peak bytes, decoder-layer seconds)."""
+        problem = self.problem(tokens)
+        return predict(problem.pop("costs"), choices, **{k: v for k, v in problem.items() if k != "choices"})
+
     def smallest(self, tokens: int) -> int:
         """Predicted peak of the smallest plan (every layer offloaded) at ``tokens`` tokens: the least budget."""
-        problem = self.problem(tokens)
-        return predict(problem["costs"], ["offload"] * len(problem["costs"]),
-                       **{k: problem[k] for k in ("base", "loss_base", "forward_base", "staging", "saved_extra")})[0]
+        return self.predict(tokens, ["offload"] * len(self.kinds))[0]
 
     def solve(self, tokens: int, budget: int | None = None) -> Plan:
         """The plan for ``tokens`` tokens under ``budget`` bytes (default: this planner's budget)."""

@@ -162,7 +162,7 @@ def predict(costs: Sequence[LayerCost], choices: Sequence[str], base: int, *, st
             saved_extra: int = 0, loss_base: int | None = None, forward_base: int | None = None
             ) -> tuple[int, float]:
     """The predicted peak (bytes) and decoder-layer time (seconds) of one per-layer plan, as :func:`solve` bounds and
-    minimises them.
+    minimises them (:func:`predictor` for many plans of the same layers).
 
     The peak is the largest of three phases, each measured with every layer offloaded and moved by what this plan's
     layers hold there: the forward (``forward_base``; :func:`forward_most`), from its end to the decoder layers'
@@ -170,20 +170,33 @@ def predict(costs: Sequence[LayerCost], choices: Sequence[str], base: int, *, st
     :func:`alive`). A phase not measured apart is in the next one's base (the forward in ``loss_base``, both in
     ``base``), which then bounds it: every layer's bytes added whole. The staging buffers count when some layer
     offloads its input, ``saved_extra`` when some layer offloads its saved activations."""
+    return predictor(costs, base, staging=staging, saved_extra=saved_extra, loss_base=loss_base,
+                     forward_base=forward_base)(choices)
+
+
+def predictor(costs: Sequence[LayerCost], base: int, *, staging: int = 0, saved_extra: int = 0,
+              loss_base: int | None = None, forward_base: int | None = None
+              ) -> Callable[[Sequence[str]], tuple[int, float]]:
+    """:func:`predict` for ``costs`` and these bases as a function of the choices: what does not depend on them is
+    worked out once (an exhaustive search predicts every plan of the same layers)."""
     timed = _with_first_reload(costs)
     at_loss, most, forward_off = _smallest(costs)
-    loss = (base if loss_base is None else loss_base) + sum(
-        c.held[x] for c, x in zip(costs, choices, strict=True)) - at_loss
-    backward = base + alive(costs, choices) - most
-    if forward_base is None:
-        forward: float = -math.inf
-    elif forward_off is None:       # the layers' forwards not measured: every layer's bytes added whole
-        forward = forward_base + loss - (base if loss_base is None else loss_base)
-    else:
-        forward = forward_base + forward_most(costs, choices) - forward_off
-    peak = int(max(loss, backward, forward) - (0 if "offload" in choices else staging)
-               + (saved_extra if "offload_saved" in choices else 0))
-    return peak, sum(c.seconds[x] for c, x in zip(timed, choices, strict=True))
+    loss_base = base if loss_base is None else loss_base
+
+    def peak_and_seconds(choices: Sequence[str]) -> tuple[int, float]:
+        held = sum(c.held[x] for c, x in zip(costs, choices, strict=True))
+        loss = loss_base + held - at_loss
+        backward = base + alive(costs, choices) - most
+        if forward_base is None:
+            forward: float = -math.inf
+        elif forward_off is None:       # the layers' forwards not measured: every layer's bytes added whole
+            forward = forward_base + held - at_loss
+        else:
+            forward = forward_base + forward_most(costs, choices) - forward_off
+        peak = int(max(loss, backward, forward) - (0 if "offload" in choices else staging)
+                   + (saved_extra if "offload_saved" in choices else 0))
+        return peak, sum(c.seconds[x] for c, x in zip(timed, choices, strict=True))
+    return peak_and_seconds
 
 
 def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 0, saved_extra: int = 0,
@@ -230,11 +243,11 @@ def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 
             extra = (0 if offloads else staging) - (saved_extra if saves else 0)
             total = budget - (base if loss_base is None else loss_base) + at_loss + extra
             backward = budget - base + most + extra
-            forward = None if forward_base is None else budget - forward_base + extra
-            if forward is not None and forward_off is None:   # bounded as the loss is (:func:`predict`)
-                total, forward = min(total, forward + at_loss), None
-            elif forward is not None:
-                forward += forward_off
+            forward = None
+            if forward_base is not None and forward_off is None:   # bounded as the loss is (:func:`predict`)
+                total = min(total, budget - forward_base + at_loss + extra)
+            elif forward_base is not None:
+                forward = budget - forward_base + forward_off + extra
             if not allowed or min(total, backward, math.inf if forward is None else forward) < 0:
                 continue
             found = _best_plan(timed, allowed, total, backward, forward)
@@ -251,4 +264,5 @@ def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 
     return best
 
 
-__all__ = ["CHOICES", "GiB", "LayerCost", "BudgetError", "Plan", "alive", "forward_most", "predict", "solve"]
+__all__ = ["CHOICES", "GiB", "LayerCost", "BudgetError", "Plan", "alive", "forward_most", "predict", "predictor",
+           "solve"]

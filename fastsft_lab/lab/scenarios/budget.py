@@ -26,6 +26,7 @@ from ...data import benchmark_batches
 from ...models import PRESETS, LoraSettings, build_model
 from ...offload import plan as P
 from ...offload.pool import host_memory_available
+from ...offload.solver import predictor
 from ...packing import packed_inputs
 from ..harness import Variant, format_derived, format_table, make_result, run_variants, with_autocast, write_json
 from ..scenario import OptionError, Scenario, option
@@ -131,9 +132,10 @@ def ranked(costs, budget: int, base: int, *, staging: int = 0, saved_extra: int 
         raise ValueError(f"exhaustive search over {len(choices)} choices for {len(costs)} layers is "
                          f"{len(choices) ** len(costs)} plans, more than {max_plans}: use fewer layers")
     found: dict[tuple[int, float], tuple[str, ...]] = {}
+    predict = predictor(costs, base, staging=staging, saved_extra=saved_extra, loss_base=loss_base,
+                        forward_base=forward_base)
     for cs in itertools.product(choices, repeat=len(costs)):
-        peak, seconds = P.predict(costs, cs, base, staging=staging, saved_extra=saved_extra, loss_base=loss_base,
-                                  forward_base=forward_base)
+        peak, seconds = predict(cs)
         if peak <= budget:
             found.setdefault((peak, round(seconds, 12)), cs)
     best = sorted(found.items(), key=lambda kv: (kv[0][1], kv[0][0]))[:limit]
@@ -287,9 +289,7 @@ class BudgetScenario(Scenario):
             costs = dict(planner.costs)
             full = [planner.costs[k].at(tokens) for k in planner.kinds]
             problem = planner.problem(tokens)
-            predicted = {k: problem[k] for k in ("base", "loss_base", "forward_base", "staging", "saved_extra")}
-            base = P.predict(full, ["offload"] * len(full), **predicted)[0]
-            keep_all = P.predict(full, ["keep"] * len(full), **predicted)[0]
+            base, keep_all = (planner.predict(tokens, [c] * len(full))[0] for c in ("offload", "keep"))
             top = min(keep_all, P.budget_bytes(f"{USABLE:.0%}", device)) if device.type == "cuda" else keep_all
             toggles.apply(model, memory_budget="off")
             budgets = ([int(float(b) * P.GiB) for b in opts.budgets] if opts.budgets
