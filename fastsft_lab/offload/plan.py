@@ -204,13 +204,16 @@ def _allocated_now(device: torch.device) -> int | None:
 
 
 def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Tensor], *, kind: str = "layer",
-                  buffers: int = 2, repeats: int = 3, resident: Sequence[torch.Tensor] = ()) -> LayerCost:
+                  buffers: int = 2, repeats: int = 3, resident: Sequence[torch.Tensor] = (),
+                  forward_peaks: bool = True) -> LayerCost:
     """Measure one decoder layer call ``function(x)`` under every choice, on a detached copy of its input.
 
     ``params``: the layer's trainable parameters (their gradients are computed, not accumulated: ``.grad`` is left
     as it was). ``resident``: tensors the GPU holds anyway (the layer's frozen weights, its buffers): what autograd
     saves of them is not counted as held. The caller keeps the RNG and transformers' output collectors out of it
-    (:class:`MemoryPlanner` does). Returns the layer's :class:`LayerCost` at ``x``'s token count."""
+    (:class:`MemoryPlanner` does). ``forward_peaks`` (CUDA): also each choice's forward at its most, read by
+    resetting the device's peak-memory counter (off where a caller's reading of it must survive). Returns the
+    layer's :class:`LayerCost` at ``x``'s token count."""
     device = x.device
     params = list(params)
     inp = x.detach().requires_grad_(True)
@@ -256,7 +259,7 @@ def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Te
     # the most each choice's forward allocates at once (CUDA): a kept layer's activations with the transients of its
     # forward, a recomputed one's transients beside what it saves; offload's is checkpoint's (its input leaves later)
     forward: dict[str, int] = {}
-    if device.type == "cuda":
+    if device.type == "cuda" and forward_peaks:
         forward = {c: _forward_peak(device, functools.partial(run, function, inp)) for c, run in runners.items()}
         forward["offload"] = forward["checkpoint"]
     # keep runs a subset of every other choice's kernels: a reading above theirs is noise (a busy host), not cost
@@ -482,6 +485,7 @@ class MemoryPlanner:
         resident = [*layer.parameters(), *layer.buffers()] if layer is not None else []
         with torch.random.fork_rng(devices=devices), _private_collector():
             cost = self.costs[kind] = measure_layer(function, x, params, kind=kind, buffers=self.buffers,
+                                                    forward_peaks=reset_peak,
                                                     resident=resident)
         if reset_peak and self.device.type == "cuda":   # the measurement's own allocations stay out of the peak
             torch.cuda.reset_peak_memory_stats(self.device)
