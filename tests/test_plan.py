@@ -276,11 +276,34 @@ def test_a_noisy_keep_reading_cannot_make_keeping_dearer_than_recomputing(monkey
     x = torch.randn(1, 64, model.config.hidden_size)
     pos = torch.arange(64)[None]
     rotary = model.model.rotary_emb(x, pos)
-    readings = iter([9.0, 0.2, 0.3])          # keep, selective, checkpoint (then the copies and the forward)
-    monkeypatch.setattr(P, "_timed", lambda device, fn, repeats: next(readings, 0.01))
+    readings = {"keep": 9.0, "selective": 0.2, "checkpoint": 0.3}      # the copies and the forward: 0.01
+    monkeypatch.setattr(P, "_timed", lambda device, fns, repeats: {name: readings.get(name, 0.01) for name in fns})
     cost = P.measure_layer(lambda h: layer(h, position_embeddings=rotary, position_ids=pos, attention_mask=None),
                            x, [], resident=[*layer.parameters()], repeats=1)
     assert cost.seconds["keep"] == 0.2 and cost.seconds["checkpoint"] == 0.3
+
+def test_timings_taken_in_rounds_move_alike_under_a_drift(monkeypatch):
+    """The device slows down while the choices are measured (each call 4% slower than the one before: clocks, a
+    busy host): read in rounds, each choice's median shifts by about the same factor, so their ratio stays within
+    10% of the true one (measured one choice after another, the last one's reading would be ~30% dearer); and one
+    call held up tenfold does not move a median."""
+    clock = {"now": 0.0, "calls": 0}
+    monkeypatch.setattr(P.time, "perf_counter", lambda: clock["now"])
+
+    def work(cost: float, hiccup: int | None = None):
+        def run():
+            clock["calls"] += 1
+            clock["now"] += cost * (1 + 0.04 * clock["calls"]) * (10 if clock["calls"] == hiccup else 1)
+        return run
+
+    true = {"keep": 1.0, "selective": 1.3, "checkpoint": 1.5, "forward": 0.4}
+    got = P._timed(torch.device("cpu"), {name: work(cost) for name, cost in true.items()}, repeats=5)
+    for name, cost in true.items():
+        assert got[name] / got["keep"] == pytest.approx(cost / true["keep"], rel=0.1), (name, got)
+    clock.update(now=0.0, calls=0)
+    got = P._timed(torch.device("cpu"), {"a": work(1.0, hiccup=9), "b": work(1.0)}, repeats=5)
+    assert got["a"] / got["b"] == pytest.approx(1.0, rel=0.1), got
+
 
 @pytest.mark.parametrize("phased", [None, "loss", "forward", "layer-forwards"])
 @pytest.mark.parametrize("seed", range(20))

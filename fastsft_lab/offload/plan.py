@@ -175,16 +175,22 @@ def _first_tensor(out) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def _timed(device: torch.device, fn: Callable[[], Any], repeats: int) -> float:
-    fn()                                  # warm-up: first-use allocations and autotuning stay out of the figure
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
+def _timed(device: torch.device, fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Seconds of each of ``fns`` (the median of ``repeats`` calls), taken in rounds -- one call of each per round,
+    after one warm-up round (first-use allocations and autotuning stay out of the figures) -- so that a drift of
+    the device's speed while they are measured (clocks ramping up at the first step, a busy host) moves every
+    reading alike instead of the ones measured last."""
+    for fn in fns.values():
         fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
 def _forward_peak(device: torch.device, forward: Callable[[], Any]) -> int:
@@ -204,7 +210,7 @@ def _allocated_now(device: torch.device) -> int | None:
 
 
 def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Tensor], *, kind: str = "layer",
-                  buffers: int = 2, repeats: int = 3, resident: Sequence[torch.Tensor] = (),
+                  buffers: int = 2, repeats: int = 5, resident: Sequence[torch.Tensor] = (),
                   forward_peaks: bool = True) -> LayerCost:
     """Measure one decoder layer call ``function(x)`` under every choice, on a detached copy of its input.
 
@@ -255,7 +261,14 @@ def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Te
 
     runners: dict[str, Callable] = {"keep": lambda f, a: f(a), "selective": functools.partial(
         selective_checkpoint, unsaved=unsaved), "checkpoint": full_checkpoint}
-    seconds = {c: _timed(device, functools.partial(step, run), repeats) for c, run in runners.items()}
+    # the host link: what a reload costs where the double buffer cannot hide it behind the next layer's backward
+    host = torch.empty(inp.shape, dtype=inp.dtype, pin_memory=device.type == "cuda")
+    timed = _timed(device, {**{c: functools.partial(step, run) for c, run in runners.items()},
+                            "forward": lambda: function(inp.detach()),
+                            "d2h": lambda: host.copy_(inp, non_blocking=True),
+                            "h2d": lambda: inp.detach().copy_(host, non_blocking=True)}, repeats)
+    seconds = {c: timed[c] for c in runners}
+    fwd, d2h, h2d = timed["forward"], timed["d2h"], timed["h2d"]
     # the most each choice's forward allocates at once (CUDA): a kept layer's activations with the transients of its
     # forward, a recomputed one's transients beside what it saves; offload's is checkpoint's (its input leaves later)
     forward: dict[str, int] = {}
@@ -265,11 +278,6 @@ def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Te
     # keep runs a subset of every other choice's kernels: a reading above theirs is noise (a busy host), not cost
     seconds["keep"] = min(seconds.values())
 
-    # the host link: what a reload costs where the double buffer cannot hide it behind the next layer's backward
-    host = torch.empty(inp.shape, dtype=inp.dtype, pin_memory=device.type == "cuda")
-    d2h = _timed(device, lambda: host.copy_(inp, non_blocking=True), repeats)
-    h2d = _timed(device, lambda: inp.detach().copy_(host, non_blocking=True), repeats)
-    fwd = _timed(device, lambda: function(inp.detach()), repeats)
     bwd = max(seconds["keep"] - fwd, 0.0)
     exposed = h2d if buffers == 1 else max(h2d - bwd, 0.0)
     seconds["offload"] = seconds["checkpoint"] + exposed + max(d2h - fwd, 0.0)
