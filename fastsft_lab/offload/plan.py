@@ -24,7 +24,8 @@ How a plan is made (:class:`MemoryPlanner`, switched on by ``apply(model, memory
 1. step 1 runs with every layer offloaded (the smallest plan: it fits wherever any plan fits). The first call of
    each kind of layer (full and sliding-window attention differ) is measured on the step's own input, outside the
    step: each choice's forward + backward time and bytes held to the backward, and the host-link time of its input
-   (:func:`measure_layer`). The step's peak memory is read in three phases (CUDA): at the end of the forward (then
+   (:func:`measure_layer`; the times are medians of rounds that take one call of each, so that the device's clocks
+   ramping up over the first step move every choice alike). The step's peak memory is read in three phases (CUDA): at the end of the forward (then
    the counter is reset), when the decoder layers' backward starts (the loss behind it) and when the first layer's
    backward starts.
 2. at the start of step 2 the plan is solved (:func:`solve`): the per-layer choices that minimise the predicted
