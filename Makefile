@@ -23,11 +23,13 @@ NUMERIC_TESTS = tests/test_training.py tests/test_loss.py tests/test_moe.py \
 
 .PHONY: setup bench test test-other-cpu typecheck mutants clean
 
+# Triton: a CUDA torch brings its own; on a CPU the fused kernels' tests run under its interpreter (so CI runs them)
 $(BIN)/.ready: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -r requirements.txt
+	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/python -m pip install -q triton==3.9.0
 	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $@
 
@@ -48,9 +50,7 @@ typecheck: $(BIN)/.ready
 	$(BIN)/python -m mypy fastsft_lab
 
 # the curated mutation run (tests/mutations.py): every named bug in the core logic must fail the tests (~10 min)
-# triton only for the run: the fused kernels' tests run them under Triton's CPU interpreter (skipped without it)
 mutants: $(BIN)/.ready
-	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/python -m pip install -q triton==3.9.0
 	$(BIN)/python tests/mutations.py $(ARGS)
 
 clean:
