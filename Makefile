@@ -24,7 +24,7 @@ NUMERIC_TESTS = tests/test_training.py tests/test_loss.py tests/test_moe.py \
 .PHONY: setup bench test test-other-cpu typecheck mutants clean
 
 # Triton: a CUDA torch brings its own; on a CPU the fused kernels' tests run under its interpreter (so CI runs them)
-$(BIN)/.ready: requirements.txt pyproject.toml
+$(BIN)/.ready: requirements.txt pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
