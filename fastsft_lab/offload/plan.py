@@ -25,9 +25,9 @@ How a plan is made (:class:`MemoryPlanner`, switched on by ``apply(model, memory
    each kind of layer (full and sliding-window attention differ) is measured on the step's own input, outside the
    step: each choice's forward + backward time and bytes held to the backward, and the host-link time of its input
    (:func:`measure_layer`; the times are medians of rounds that take one call of each, so that the device's clocks
-   ramping up over the first step move every choice alike). The step's peak memory is read in three phases (CUDA): at the end of the forward (then
-   the counter is reset), when the decoder layers' backward starts (the loss behind it) and when the first layer's
-   backward starts.
+   ramping up over the first step move every choice alike). The step's peak memory is read in three phases (CUDA):
+   at the end of the forward (then the counter is reset), when the decoder layers' backward starts (the loss behind
+   it) and when the first layer's backward starts.
 2. at the start of step 2 the plan is solved (:func:`solve`): the per-layer choices that minimise the predicted
    step time with a predicted peak within the budget, exactly (a dynamic programme over the layers). The peak is
    the largest of the three phases, each moved by what the plan's layers hold there: in layer ``i``'s forward the
@@ -263,6 +263,7 @@ def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Te
     runners: dict[str, Callable] = {"keep": lambda f, a: f(a), "selective": functools.partial(
         selective_checkpoint, unsaved=unsaved), "checkpoint": full_checkpoint}
     # the host link: what a reload costs where the double buffer cannot hide it behind the next layer's backward
+    # (each round stores the input before it reloads it: the input keeps its values)
     host = torch.empty(inp.shape, dtype=inp.dtype, pin_memory=device.type == "cuda")
     timed = _timed(device, {**{c: functools.partial(step, run) for c, run in runners.items()},
                             "forward": lambda: function(inp.detach()),
