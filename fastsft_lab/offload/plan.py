@@ -737,7 +737,6 @@ def _read_state(model: nn.Module) -> dict:
 register_state_reader("memory_plan", _read_state)
 
 __all__ = ["CHOICES", "saved_ops", "SAVED_OPS", "LayerCost", "Plan", "BudgetError", "MemoryPlanner", "measure_layer",
-           "solve", "predict",
-           "selective_checkpoint", "full_checkpoint", "parse_budget", "budget_bytes", "allocator_ceiling", "check_budget_floor",
-           "enable_memory_plan", "disable_memory_plan",
-           "memory_planner", "set_plan", "layer_kinds"]
+           "solve", "predict", "selective_checkpoint", "full_checkpoint", "parse_budget", "budget_bytes",
+           "allocator_ceiling", "check_budget_floor", "enable_memory_plan", "disable_memory_plan", "memory_planner",
+           "set_plan", "layer_kinds"]
