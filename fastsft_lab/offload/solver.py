@@ -110,10 +110,15 @@ def _most(costs: Sequence[LayerCost], choices: Sequence[str], own: Callable[[Lay
     return most
 
 
+def _offloaded(costs: Sequence[LayerCost]) -> list[str]:
+    """The plan the bases are measured on: every layer offloaded (checkpointed where it cannot offload)."""
+    return ["offload" if "offload" in c.held else "checkpoint" for c in costs]
+
+
 def _smallest(costs: Sequence[LayerCost]) -> tuple[int, int, int | None]:
-    """What the layers hold in the plan the bases were measured on (every layer offloaded): (at the loss, at most
+    """What the layers hold in the plan the bases were measured on (:func:`_offloaded`): (at the loss, at most
     in the backward, at most in the forward where measured)."""
-    offload = ["offload" if "offload" in c.held else "checkpoint" for c in costs]
+    offload = _offloaded(costs)
     forward = forward_most(costs, offload) if all(c.forward for c in costs) else None
     return sum(c.held[x] for c, x in zip(costs, offload)), alive(costs, offload), forward
 
@@ -226,7 +231,7 @@ def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 
     Raises:
         BudgetError: when not even every layer offloaded fits.
     """
-    smallest = predict(costs, ["offload" if "offload" in c.held else "checkpoint" for c in costs], base,
+    smallest = predict(costs, _offloaded(costs), base,
                        loss_base=loss_base, forward_base=forward_base)[0]
     if smallest > budget:
         raise BudgetError(f"memory_budget {_size(budget)} is below the smallest plan's peak "
