@@ -171,7 +171,7 @@ for db in $DBS; do
   # the first run pays the cold compile caches: 3/5 of what is left; the last run everything that is left
   if [ "$runs_left" -gt 1 ]; then t=$(( ($(left) - 10) * 3 / 5 )); else t=$(( $(left) - 10 )); fi
   if [ "$t" -lt 60 ]; then
-    fail_run "$db" "stage script: not run: only $(left)s of the ${BUDGET}s stage budget left"
+    fail_run "$db" "stage script: not run: its share of the $(left)s left of the ${BUDGET}s stage budget is ${t}s, under the 60s a run needs"
     runs_left=$((runs_left - 1)); continue
   fi
   log "run: double buffer $db (Unsloth environment, timeout ${t}s), log $logf"
