@@ -188,6 +188,11 @@ def test_the_frontier_reads_the_newest_per_configuration_and_rates_each_plan_aga
     assert "1.40x" in text and "did not run: out of memory" in text
     fig = plots.plot_frontier(docs)
     assert len(fig.axes) == 2
+    # an MoE's experts are fused parameters that NF4 (every nn.Linear) leaves in the compute dtype: the words say so
+    assert "NF4 + LoRA" in text and fig.axes[0].get_title().startswith("qwen3-14b NF4,")
+    assert "NF4 (experts bf16) + LoRA r16" in report.frontier_text(docs[1])
+    assert fig.axes[1].get_title().startswith("gpt-oss-20b NF4 (experts bf16),")
+    assert report.weights_text({"model": "gpt-oss-20b", "quant": None}) == "bf16"
     assert [len(line.get_xdata()) for line in fig.axes[0].lines][0] == 2      # the two plans joined by one line
 
 

@@ -682,10 +682,29 @@ def plot_headline(rows: Sequence[dict]):
     return fig
 
 
+def _labels_apart(ax, points: Sequence[tuple[float, float, str]]) -> None:
+    """Label each point (x, y, text) above and to its right, or, where that would overlap a label already placed,
+    at the first of a few other spots around it that does not (neighbours close in memory stay readable)."""
+    renderer = ax.figure.canvas.get_renderer()
+    placed = []
+    for x, y, text in points:
+        for offset in ((4, 4), (4, -11), (4, 13), (4, -20), (4, 22)):
+            label = ax.annotate(text, (x, y), fontsize=6.5, xytext=offset, textcoords="offset points")
+            box = label.get_window_extent(renderer)
+            if not any(box.overlaps(other) for other in placed):
+                break
+            label.remove()
+        else:
+            label = ax.annotate(text, (x, y), fontsize=6.5, xytext=(4, 4), textcoords="offset points")
+            box = label.get_window_extent(renderer)
+        placed.append(box)
+
+
 def plot_frontier(docs: Sequence[dict], root=None):
     """Per memory-plan frontier (``results.budget_results``): step time against measured peak memory (predicted
     where none was measured), the plans joined by a line from the smallest (every layer offloaded) to keeping
     everything, the README recipe and no checkpointing as their own markers, each plan labelled with its choices."""
+    from .report import weights_text
     from .results import frontier_peers, frontier_rows, run_of
     plt = _plt()
     cols = min(3, len(docs))
@@ -693,6 +712,7 @@ def plot_frontier(docs: Sequence[dict], root=None):
     fig, grid = plt.subplots(rows_, cols, figsize=(5.6 * cols, 4.9 * rows_), squeeze=False)
     for ax in grid.flat[len(docs):]:
         ax.remove()                                           # a short last row
+    labels = []
     for ax, doc in zip(grid.flat, docs):
         rows = [r for r in frontier_rows(doc, frontier_peers(doc, root)) if r["ms"] is not None]
         searched = [r for r in rows if r["searched"] is not None and (r["peak"] or r["predicted"])]
@@ -704,9 +724,7 @@ def plot_frontier(docs: Sequence[dict], root=None):
         plans = [r for r in rows if r["budget"] is not None]
         x = [(r["peak"] or r["predicted"]) / 2**30 for r in plans]
         ax.plot(x, [r["ms"] for r in plans], "o-", color=_BLUE, label="memory plan, per budget")
-        for xi, r in zip(x, plans, strict=True):
-            ax.annotate(r["name"].split(": ", 1)[-1], (xi, r["ms"]), fontsize=6.5, xytext=(4, 4),
-                        textcoords="offset points")
+        labels.append((ax, [(xi, r["ms"], r["name"].split(": ", 1)[-1]) for xi, r in zip(x, plans, strict=True)]))
         for r, marker, color in ((next((r for r in rows if r["name"].startswith("offload x2")), None), "s", _ORANGE),
                                  (next((r for r in rows if r["name"] == "no checkpointing"), None), "^", _GREY)):
             if r is not None and (r["peak"] or r["predicted"]):
@@ -714,7 +732,8 @@ def plot_frontier(docs: Sequence[dict], root=None):
                         label=r["name"], alpha=0.8)
         c = doc["config"]
         floor = "Liger floor" if c.get("kernels") == "liger" else "default floor"
-        ax.set_title(f"{c['model']}, {c.get('num_layers')} layers, {c.get('tokens_per_step')} tokens/step, {floor}\n"
+        ax.set_title(f"{c['model']} {weights_text(c)}, {c.get('num_layers')} layers, {c.get('tokens_per_step')} "
+                     f"tokens/step, {floor}\n"
                      f"{_where(doc)} ({run_of(doc)})", fontsize=8.5)
         ax.set_xlabel("peak memory, GiB" + ("" if plans and plans[0]["peak"] else " (predicted)"), fontsize=8)
         ax.set_ylabel("step ms (median; lower is better)", fontsize=8)
@@ -724,7 +743,9 @@ def plot_frontier(docs: Sequence[dict], root=None):
         ax.margins(x=0.15)                                   # room for the last plan's label
         ax.legend(fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
     fig.suptitle("the memory plan's frontier", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.985))                 # the title above the first row's panel titles
+    for ax, points in labels:                                # after the layout: the overlaps are the final ones
+        _labels_apart(ax, points)
     return fig
 
 

@@ -4,7 +4,7 @@ FILENAME = "04_all_three_together.ipynb"
 OUTPUTS = """**The outputs below** come from one run on an NVIDIA H100 80GB HBM3 (`SMOKE=0`, torch 2.11, transformers 5.17,
 2026-12-05; run `benchmarks/results/h100-2026-12-05e`, whose README has the log; no H200 came that session), every
 code cell; the frontier cell, which reads committed results only, was redrawn after the latest frontier was committed
-(`h100-2026-12-05g`; `benchmarks/run_notebooks.py --redraw`). In that run the live tables' `vs ref` was against transformers default,
+(`h100-2026-12-05h`; `benchmarks/run_notebooks.py --redraw`). In that run the live tables' `vs ref` was against transformers default,
 which on GPT-OSS lets packed sequences attend to each other (hence its 1.5e+00 against our exact rows); the cell now
 checks against all naive, exact packing, as `bench --only combined` does. The live cells run Qwen3-14B at 8 of its 40 layers and GPT-OSS-20B at 4 of
 its 24; every full-depth figure is read from the committed GPU results, each with its card and run. CI re-runs every
