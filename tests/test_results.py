@@ -192,7 +192,7 @@ def test_the_frontier_reads_the_newest_per_configuration_and_rates_each_plan_aga
     assert "NF4 + LoRA" in text and fig.axes[0].get_title().startswith("qwen3-14b NF4,")
     assert "NF4 (experts bf16) + LoRA r16" in report.frontier_text(docs[1])
     assert fig.axes[1].get_title().startswith("gpt-oss-20b NF4 (experts bf16),")
-    assert report.weights_text({"model": "gpt-oss-20b", "quant": None}) == "bf16"
+    assert results.weights_text({"model": "gpt-oss-20b", "quant": None}) == "bf16"
     assert [len(line.get_xdata()) for line in fig.axes[0].lines][0] == 2      # the two plans joined by one line
 
 

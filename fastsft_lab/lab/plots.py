@@ -704,8 +704,7 @@ def plot_frontier(docs: Sequence[dict], root=None):
     """Per memory-plan frontier (``results.budget_results``): step time against measured peak memory (predicted
     where none was measured), the plans joined by a line from the smallest (every layer offloaded) to keeping
     everything, the README recipe and no checkpointing as their own markers, each plan labelled with its choices."""
-    from .report import weights_text
-    from .results import frontier_peers, frontier_rows, run_of
+    from .results import frontier_peers, frontier_rows, run_of, weights_text
     plt = _plt()
     cols = min(3, len(docs))
     rows_ = -(-len(docs) // cols)

@@ -321,20 +321,12 @@ def _mem_parts(v: dict) -> str:
     return " → ".join(f"{b / 2**30:.2f}" if b else "–" for b in parts)
 
 
-def weights_text(c: dict) -> str:
-    """A result config's base weights in words: ``NF4`` (every ``nn.Linear`` quantised; an MoE's experts are fused
-    parameters, not linears, so they stay in the compute dtype and the words say so) or the dtype."""
-    if c.get("quant") != "nf4":
-        return c.get("dtype", "bf16")
-    preset = PRESETS.get(c.get("model", ""))
-    return f"NF4 (experts {c.get('dtype', 'bf16')})" if preset is not None and preset.is_moe else "NF4"
-
-
 def _frontier_header(doc: dict) -> str:
     c = doc["config"]
     what = "" if R.plans_in(doc) > 1 else " (one budget, asked for: not a frontier)"
     kernels = ", Liger kernels" if c.get("kernels") == "liger" else ""
-    return (f"{c['model']}, {_depth(c)}, {weights_text(c)} + LoRA r{c.get('lora_rank')}, {c.get('tokens_per_step')} tokens/step, "
+    return (f"{c['model']}, {_depth(c)}, {R.weights_text(c)} + LoRA r{c.get('lora_rank')}, "
+            f"{c.get('tokens_per_step')} tokens/step, "
             f"autocast {c.get('autocast')}, floor: {', '.join(f'{k}={v}' for k, v in c.get('floor', {}).items())}"
             + kernels + what)
 

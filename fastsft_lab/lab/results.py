@@ -91,6 +91,17 @@ def newest_per_config(docs: Iterable[dict], key) -> list[dict]:
     return list(out.values())
 
 
+def weights_text(c: dict) -> str:
+    """A result config's base weights in words: ``NF4`` (every ``nn.Linear`` quantised; an MoE's experts are fused
+    parameters, not linears, so they stay in the compute dtype and the words say so) or the dtype."""
+    if c.get("quant") != "nf4":
+        return c.get("dtype", "bf16")
+    from ..models import PRESETS  # here, not at the top: the results loader itself needs no torch
+
+    preset = PRESETS.get(c.get("model", ""))
+    return f"NF4 (experts {c.get('dtype', 'bf16')})" if preset is not None and preset.is_moe else "NF4"
+
+
 def describe_run(doc: dict) -> str:
     """``GPU, torch, transformers, date`` of a result, for a caption."""
     env = doc.get("env", {})
@@ -413,7 +424,7 @@ def frontier_vs_peers(rows: Sequence[dict]) -> list[dict]:
     return out
 
 
-__all__ = ["attribution_results", "budget_results", "plans_in", "frontier_rows", "frontier_peers", "frontier_vs_peers",
+__all__ = ["weights_text", "attribution_results", "budget_results", "plans_in", "frontier_rows", "frontier_peers", "frontier_vs_peers",
            "PEER_MEMORY_MULTIPLES", "all_results", "load_results", "run_of", "newest_per_config", "describe_run", "build_index", "write_index",
            "repo_results_dir", "INDEX", "step_spread", "unsettled", "UNSETTLED_SPREAD", "offload_results",
            "packed_regime", "packed_key", "packed_configs", "packed_headline", "combined_results", "newest_peak_gib", "peer_results", "PEER_OUR_VARIANTS", "experts_profile",
