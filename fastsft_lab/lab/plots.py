@@ -682,21 +682,23 @@ def plot_headline(rows: Sequence[dict]):
     return fig
 
 
+_LABEL_SPOTS = ((4, 4), (4, -11), (4, 13), (4, -20), (4, 22))
+"""Where a plan's label may go, in points from its marker, in the order tried."""
+
+
 def _labels_apart(ax, points: Sequence[tuple[float, float, str]]) -> None:
-    """Label each point (x, y, text) above and to its right, or, where that would overlap a label already placed,
-    at the first of a few other spots around it that does not (neighbours close in memory stay readable)."""
+    """Label each point (x, y, text) at the first of :data:`_LABEL_SPOTS` (above and to its right first) whose box
+    overlaps no label already placed (neighbours close in memory stay readable); where every spot overlaps, the
+    last."""
     renderer = ax.figure.canvas.get_renderer()
-    placed = []
+    placed: list = []
     for x, y, text in points:
-        for offset in ((4, 4), (4, -11), (4, 13), (4, -20), (4, 22)):
-            label = ax.annotate(text, (x, y), fontsize=6.5, xytext=offset, textcoords="offset points")
+        for spot in _LABEL_SPOTS:
+            label = ax.annotate(text, (x, y), fontsize=6.5, xytext=spot, textcoords="offset points")
             box = label.get_window_extent(renderer)
-            if not any(box.overlaps(other) for other in placed):
+            if spot == _LABEL_SPOTS[-1] or not any(box.overlaps(other) for other in placed):
                 break
             label.remove()
-        else:
-            label = ax.annotate(text, (x, y), fontsize=6.5, xytext=(4, 4), textcoords="offset points")
-            box = label.get_window_extent(renderer)
         placed.append(box)
 
 
