@@ -10,7 +10,8 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/d
 TEST_CMD = $(BIN)/python -m pytest tests notebooks --nbval-lax --nbval-current-env -p no:cacheprovider
 
 # The tests that compare numbers, again on another CPU's kernels and one thread (CI runs both): torch picks its CPU
-# kernels by ATEN_CPU_CAPABILITY, so a tolerance that only holds for this machine's kernels fails here.
+# kernels by ATEN_CPU_CAPABILITY, so a tolerance that only holds for this machine's kernels fails here (tests/conftest.py
+# caps oneDNN at the same level: ONEDNN_MAX_CPU_ISA=AVX2).
 OTHER_CPU ?= default
 NUMERIC_TESTS = tests/test_training.py tests/test_loss.py tests/test_moe.py \
 	tests/test_offload_checkpoint.py tests/test_offload_models.py tests/test_offload_memory.py \

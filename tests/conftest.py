@@ -12,6 +12,12 @@ import tempfile
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
     tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ.get('ATEN_CPU_CAPABILITY') or 'native'}"))
 
+# Under a capability below avx512 (another CPU's kernels), oneDNN is capped to match: torch 2.13 on a CPU with AMX
+# otherwise still takes oneDNN's AMX brgemm path for bf16 attention and stops there ("pack_vnni2 is only supported when
+# avx512 is supported"), which no CPU without avx512 would do. Set before torch loads oneDNN (it reads it once).
+if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() in ("default", "avx2"):
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
