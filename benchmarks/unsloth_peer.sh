@@ -25,7 +25,7 @@
 # warmup steps until every batch shape has run once),
 # UNSLOTH_PEER_DB ("on off": which double-buffer settings run, in order), UNSLOTH_PEER_CHECKPOINTING (unsloth:
 # use_gradient_checkpointing="unsloth", the default; off: False, every activation kept, results named ...-ckoff-db*;
-# set UNSLOTH_PEER_DB=on with it, the double buffer has nothing to do then), UNSLOTH_PEER_MIX (realistic), UNSLOTH_PEER_RANK (16), UNSLOTH_PEER_REUSE=1 (keep a complete earlier export),
+# UNSLOTH_PEER_DB defaults to "on" with it: the double buffer has nothing to do then), UNSLOTH_PEER_MIX (realistic), UNSLOTH_PEER_RANK (16), UNSLOTH_PEER_REUSE=1 (keep a complete earlier export),
 # UNSLOTH_PEER_KEEP=1 (keep the exported weights afterwards; default: deleted, they are ~8 GB for Qwen3-14B x8,
 # ~39 GiB for GPT-OSS-20B x24), UNSLOTH_PEER_EXPORT_DIR (/tmp/unsloth-peer; for GPT-OSS /dev/shm/unsloth-peer-moe when
 # /dev/shm has 48 GiB free, else /tmp/unsloth-peer-moe), UNSLOTH_WHEELS
@@ -72,7 +72,8 @@ STEPS=${UNSLOTH_PEER_STEPS:-6}
 WARMUP=${UNSLOTH_PEER_WARMUP:-2}
 MIX=${UNSLOTH_PEER_MIX:-realistic}
 RANK=${UNSLOTH_PEER_RANK:-16}
-DBS=${UNSLOTH_PEER_DB:-on off}
+# with checkpointing off the double buffer has nothing to reload: one run (named ...-ckoff-dbon) unless asked
+if [ "${UNSLOTH_PEER_CHECKPOINTING:-unsloth}" = off ]; then DBS=${UNSLOTH_PEER_DB:-on}; else DBS=${UNSLOTH_PEER_DB:-on off}; fi
 case " $DBS " in *" on "*|*" off "*) ;; *) echo "UNSLOTH_PEER_DB must list on and/or off, got: $DBS" >&2; exit 2 ;; esac
 BUDGET=${UNSLOTH_PEER_BUDGET:-560}
 EXPORT_MAX=${UNSLOTH_PEER_EXPORT_TIMEOUT:-$EXPORT_MAX_DEFAULT}

@@ -201,6 +201,12 @@ def test_stage_script_runs_unsloth_with_checkpointing_off_under_its_own_name(tmp
     assert proc.returncode == 1, proc.stdout + proc.stderr
     doc = json.loads((tmp_path / "res" / "unsloth-tiny-qwen3-L2-256-ckoff-dbon.json").read_text())
     assert doc["variants"][0]["name"] == "unsloth (checkpointing off)"
+    # without UNSLOTH_PEER_DB, checkpointing off is one run: the double buffer has nothing to reload then
+    one = {k: v for k, v in env.items() if k != "UNSLOTH_PEER_DB"}
+    proc = subprocess.run(["bash", "benchmarks/unsloth_peer.sh", str(tmp_path / "res3")], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env=one)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert sorted(p.name for p in (tmp_path / "res3").glob("*.json")) == ["unsloth-tiny-qwen3-L2-256-ckoff-dbon.json"]
     bad = subprocess.run(["bash", "benchmarks/unsloth_peer.sh", str(tmp_path / "res2")], capture_output=True,
                          text=True, timeout=60, cwd=ROOT, env={**env, "UNSLOTH_PEER_CHECKPOINTING": "False"})
     assert bad.returncode == 2 and "UNSLOTH_PEER_CHECKPOINTING must be unsloth or off, got 'False'" in bad.stderr
