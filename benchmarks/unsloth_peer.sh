@@ -72,9 +72,6 @@ STEPS=${UNSLOTH_PEER_STEPS:-6}
 WARMUP=${UNSLOTH_PEER_WARMUP:-2}
 MIX=${UNSLOTH_PEER_MIX:-realistic}
 RANK=${UNSLOTH_PEER_RANK:-16}
-# with checkpointing off the double buffer has nothing to reload: one run (named ...-ckoff-dbon) unless asked
-if [ "${UNSLOTH_PEER_CHECKPOINTING:-unsloth}" = off ]; then DBS=${UNSLOTH_PEER_DB:-on}; else DBS=${UNSLOTH_PEER_DB:-on off}; fi
-case " $DBS " in *" on "*|*" off "*) ;; *) echo "UNSLOTH_PEER_DB must list on and/or off, got: $DBS" >&2; exit 2 ;; esac
 BUDGET=${UNSLOTH_PEER_BUDGET:-560}
 EXPORT_MAX=${UNSLOTH_PEER_EXPORT_TIMEOUT:-$EXPORT_MAX_DEFAULT}
 EXPORT_DIR=${UNSLOTH_PEER_EXPORT_DIR:-/tmp/unsloth-peer}
@@ -86,6 +83,9 @@ case "$CKPT" in
   off) STEM="$STEM-ckoff" ;;
   *) echo "UNSLOTH_PEER_CHECKPOINTING must be unsloth or off, got '$CKPT'" >&2; exit 2 ;;
 esac
+# with checkpointing off the double buffer has nothing to reload: one run (named ...-ckoff-dbon) unless asked
+if [ "$CKPT" = off ]; then DBS=${UNSLOTH_PEER_DB:-on}; else DBS=${UNSLOTH_PEER_DB:-on off}; fi
+case " $DBS " in *" on "*|*" off "*) ;; *) echo "UNSLOTH_PEER_DB must list on and/or off, got: $DBS" >&2; exit 2 ;; esac
 OUR_PYTHONPATH=${PYTHONPATH:-$PWD}
 START=$SECONDS
 INTERRUPTED=0
