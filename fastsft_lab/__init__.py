@@ -8,8 +8,9 @@ Three optimizations, each behind a before/after toggle that can be flipped on a 
    (``offload_buffers`` = 0 / 1 / 2).
 3. ``moe``     -- GPT-OSS / Qwen3-MoE expert routing grouped once (``moe_routing`` = naive / grouped / sync_free).
 
-``fastsft_lab.apply(model, ...)`` / ``revert(model)`` switch them together; ``state(model)`` says what is on.
-Foundation: ``models`` (presets, random-weight real-size builds, QLoRA), ``data`` (packer, synthetic corpus),
+``fastsft_lab.apply(model, ...)`` / ``revert(model)`` switch them together; ``state(model)`` says what is on (each
+switch's finer controls are in its package). Every change a switch makes goes through the model's restore log
+(``restore``), which ``revert`` undoes. Foundation: ``models`` (presets, random-weight real-size builds, QLoRA), ``data`` (packer, synthetic corpus),
 ``profiling`` (host-sync counter, timers), ``evidence`` (equivalence checks). What measures and explains them
 (scenarios, harness, plots, committed results, the ``python -m fastsft_lab`` CLI) is ``fastsft_lab.lab``, which
 the library never imports.
@@ -21,14 +22,13 @@ import importlib
 
 __version__ = "0.2.0"
 
-_SUBMODULES = ("env", "families", "models", "data", "profiling", "model_state", "toggles", "evidence", "loss", "lora", "dequant", "packing", "offload", "moe",
-               "lab")
+_SUBMODULES = ("env", "families", "structure", "models", "data", "profiling", "restore", "model_state", "toggles",
+               "evidence", "loss", "lora", "dequant", "packing", "offload", "moe", "lab")
 _NAMES = {
     "apply": "toggles", "revert": "toggles", "state": "model_state", "ModelState": "model_state",
     "build_model": "models", "LoraSettings": "models", "PRESETS": "models",
     "SyncCounter": "profiling", "count_syncs": "profiling",
-    "PackedCollator": "packing", "PackedMetadata": "packing", "enable_packed_attention": "packing",
-    "enable_offloaded_checkpointing": "offload", "set_moe_routing": "moe",
+    "PackedCollator": "packing", "PackedMetadata": "packing",
 }
 
 

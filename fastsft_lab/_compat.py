@@ -200,3 +200,54 @@ def bnb_fix_quant_state():
 
 
 __all__ += ["in_backward", "bnb_fix_quant_state"]
+
+
+# --- private attributes of transformers' models that the switches write (through the restore log) and read ---------
+ATTN_IMPLEMENTATION = "_attn_implementation"
+"""A config's attention implementation (transformers 5.0-5.17: a property over ``_attn_implementation_internal``,
+set on the sub-configs too). ``set_attn_implementation()`` validates and "adjusts" a name; this field does not."""
+
+EXPERTS_IMPLEMENTATION = "_experts_implementation"
+"""A config's experts implementation (transformers 5.0-5.17: a property over ``_experts_implementation_internal``)."""
+
+CHECKPOINT_FUNCTION = "_gradient_checkpointing_func"
+"""The checkpoint function a ``GradientCheckpointingLayer`` calls when ``gradient_checkpointing`` is on
+(transformers 4.50-5.17: ``self._gradient_checkpointing_func(partial(super().__call__, **kwargs), *args)``)."""
+
+REQUIRE_GRADS_HOOKS = ("_require_grads_hooks", "_require_grads_hook")
+"""Where ``enable_input_require_grads()`` keeps the embedding hooks it registers (transformers 5.0-5.17: a list;
+older: one handle)."""
+
+
+def attn_implementation(config) -> str | None:
+    """``config._attn_implementation``."""
+    return getattr(config, ATTN_IMPLEMENTATION, None)
+
+
+def set_attn_implementation_of(config, value: str | None) -> None:
+    """Write ``config._attn_implementation`` as it is (for a call that needs another implementation for a while)."""
+    setattr(config, ATTN_IMPLEMENTATION, value)
+
+
+def experts_implementation_of(config) -> str | None:
+    """``config._experts_implementation``."""
+    return getattr(config, EXPERTS_IMPLEMENTATION, None)
+
+
+def checkpoint_function(layer: nn.Module):
+    """A decoder layer's ``_gradient_checkpointing_func`` (None where it has none)."""
+    return getattr(layer, CHECKPOINT_FUNCTION, None)
+
+
+def require_grads_hooks(model: nn.Module) -> list:
+    """The handles of the embedding hooks ``enable_input_require_grads()`` registered on ``model``."""
+    hooks = vars(model).get(REQUIRE_GRADS_HOOKS[0])
+    if hooks is None:
+        one = vars(model).get(REQUIRE_GRADS_HOOKS[1])
+        return [one] if one is not None else []
+    return list(hooks)
+
+
+__all__ += ["ATTN_IMPLEMENTATION", "EXPERTS_IMPLEMENTATION", "CHECKPOINT_FUNCTION", "REQUIRE_GRADS_HOOKS",
+            "attn_implementation", "set_attn_implementation_of", "experts_implementation_of", "checkpoint_function",
+            "require_grads_hooks"]

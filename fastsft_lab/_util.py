@@ -68,30 +68,3 @@ class KernelSwitch:
         """Whether the kernels run on tensor ``t``: switched on, triton importable, and a CUDA tensor (or a CPU one
         under the interpreter)."""
         return self.on and have_triton and (t.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
-
-
-# -- instance forwards: a module's own ``forward`` replaced on the instance, its class untouched, the way back beside it
-def override_forward(module, key: str, forward) -> None:
-    """Give ``module`` the instance method ``forward``; the forward it had is kept under ``key`` (a no-op when
-    ``key`` is already there)."""
-    from types import MethodType
-
-    if key not in module.__dict__:
-        module.__dict__[key] = module.forward
-        module.forward = MethodType(forward, module)
-
-
-def restore_forwards(model, key: str, extra: Sequence[str] = ()) -> None:
-    """Every module of ``model`` overridden under ``key`` runs its class's forward again (``extra``: instance
-    attributes set with it, removed too)."""
-    for m in model.modules():
-        if key in m.__dict__:
-            m.__dict__.pop("forward", None)
-            m.__dict__.pop(key)
-            for name in extra:
-                m.__dict__.pop(name, None)
-
-
-def overridden(model, key: str) -> int:
-    """How many modules of ``model`` run an instance forward set under ``key``."""
-    return sum(key in m.__dict__ for m in model.modules())

@@ -41,11 +41,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._compat import bnb_fix_quant_state, has_triton, in_backward, is_fsdp2
-from ._util import on_device_of, override_forward, overridden, restore_forwards
-from .model_state import register_state_reader, state
+import functools
+from dataclasses import dataclass
 
-_ORIGINAL = "_fastsft_bnb_forward"
+from ._compat import bnb_fix_quant_state, has_triton, in_backward, is_fsdp2
+from ._util import on_device_of
+from .model_state import state
+from .restore import Optimization, changes, entries
+from .structure import base_model
+
+SWITCH = "fused_dequant"
 ABSMAX_BLOCK = 256                  # bitsandbytes' block of the nested (double) quantisation of the absmax values
 
 
@@ -199,11 +204,12 @@ def kept_weights() -> int:
     return len(_KEPT)
 
 
-def fused_dequant_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """bitsandbytes ``Linear4bit.forward`` (0.50) through :class:`NF4Matmul` when a gradient is needed."""
+def fused_dequant_forward(self, original, x: torch.Tensor, *, kernel=None) -> torch.Tensor:
+    """bitsandbytes ``Linear4bit.forward`` (0.50) through :class:`NF4Matmul` when a gradient is needed
+    (``original``: the layer's own forward; ``kernel``: a Triton kernel to use on every device)."""
     bias = self.bias
     if not torch.is_grad_enabled() or not (x.requires_grad or (bias is not None and bias.requires_grad)):
-        return self.__dict__[_ORIGINAL](x)
+        return original(x)
     if _KEPT and not in_backward():
         _KEPT.clear()          # left by a backward that did not finish (an exception): a weight each, let go
     bnb_fix_quant_state()(self)
@@ -218,7 +224,6 @@ def fused_dequant_forward(self, x: torch.Tensor) -> torch.Tensor:
         if bias.dtype != x.dtype:
             bias.data = bias.data.to(x.dtype)
         bias = bias.to(self.compute_dtype)
-    kernel = self.__dict__.get("_fastsft_dequant_kernel")
     return NF4Matmul.apply(x, bias, self.weight.view(-1, 1), quant_state, kernel).to(inp_dtype)
 
 
@@ -250,42 +255,67 @@ def fused_dequant_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+@dataclass
+class FusedDequant:
+    """The ``fused_dequant`` switch's record in the model's restore log."""
+
+    layers: int
+
+    def state(self) -> dict:
+        return {"fused_dequant": True}
+
+
+def validate(model: nn.Module, value, options: dict) -> bool:
+    """The ``fused_dequant`` switch's checks: True or False, and NF4 ``Linear4bit`` layers it computes exactly."""
+    if not isinstance(value, bool):
+        raise ValueError(f"fused_dequant must be True or False, got {value!r}")
+    if not fused_dequant_targets(model):
+        raise ValueError(f"fused_dequant=True needs bitsandbytes Linear4bit layers (QLoRA); "
+                         f"{type(base_model(model)).__name__} has none")
+    return value
+
+
+def enable(model: nn.Module, value: bool = True, *, kernel=None) -> None:
+    """Put :func:`fused_dequant_forward` in front of every NF4 ``Linear4bit``'s forward (checked by
+    :func:`validate`)."""
+    log = changes(model, SWITCH)
+    targets = fused_dequant_targets(model)
+    forward = functools.partial(fused_dequant_forward, kernel=kernel) if kernel is not None else fused_dequant_forward
+    for _, m in targets:
+        log.forward(m, forward)
+    log.record = FusedDequant(len(targets))
+
+
+FUSED_DEQUANT = Optimization(SWITCH, validate, enable, off=(False,))
+
+
 def enable_fused_dequant(model: nn.Module, *, kernel=None):
-    """Run every bitsandbytes NF4 ``Linear4bit`` of ``model`` through :func:`fused_dequant_forward` (instance
-    attributes; the class stays untouched). ``kernel``: a Triton kernel to use on every device (tests: the
+    """Run every bitsandbytes NF4 ``Linear4bit`` of ``model`` through :func:`fused_dequant_forward` (on the
+    instances; the class stays untouched). ``kernel``: a Triton kernel to use on every device (tests: the
     interpreter).
 
     Raises:
         ValueError: the model has no ``Linear4bit`` layer.
         NotImplementedError: an FP4 weight, before anything changes.
     """
-    targets = fused_dequant_targets(model)
-    if not targets:
+    if not fused_dequant_targets(model):
         raise ValueError(f"{type(model).__name__} has no bitsandbytes Linear4bit layer (load it with "
                          "BitsAndBytesConfig(load_in_4bit=True)): fused_dequant has nothing to dequantise")
-    for _, m in targets:
-        override_forward(m, _ORIGINAL, fused_dequant_forward)
-        if kernel is not None:
-            m.__dict__["_fastsft_dequant_kernel"] = kernel
+    enable(model, kernel=kernel)
     return state(model)
 
 
 def disable_fused_dequant(model: nn.Module):
     """bitsandbytes' own forward on every layer again (a no-op when it is off)."""
-    restore_forwards(model, _ORIGINAL, extra=("_fastsft_dequant_kernel",))
+    FUSED_DEQUANT.disable(model)
     return state(model)
 
 
 def fused_dequant_layers(model: nn.Module) -> int:
     """How many layers of ``model`` run the fused dequantisation."""
-    return overridden(model, _ORIGINAL)
+    return sum(1 for e in entries(model, SWITCH) if e.name == "forward")
 
 
-def _read_state(model: nn.Module) -> dict:
-    return {"fused_dequant": True} if fused_dequant_layers(model) else {}
-
-
-register_state_reader("fused_dequant", _read_state)
-
-__all__ = ["NF4Matmul", "bitsandbytes_dequantize", "dequantize_nf4", "disable_fused_dequant", "enable_fused_dequant",
-           "fused_dequant_forward", "fused_dequant_layers", "fused_dequant_targets", "kept_weights", "nf4_kernel"]
+__all__ = ["FUSED_DEQUANT", "NF4Matmul", "bitsandbytes_dequantize", "dequantize_nf4", "disable_fused_dequant",
+           "enable_fused_dequant", "fused_dequant_forward", "fused_dequant_layers", "fused_dequant_targets",
+           "kept_weights", "nf4_kernel"]

@@ -23,21 +23,25 @@ to rounding, and rounds less (one rounding of ``y + s * xa @ B.T`` where PEFT ro
 and the sum); without autocast PEFT computes the adapter in float32, which the fused forward does not (the tests
 bound its error against a float32 reference by PEFT-under-autocast's).
 
-:func:`enable_fused_lora` sets the forward of each plain-LoRA linear layer of one model (PEFT's ``Linear`` and
-bitsandbytes' ``Linear4bit`` / ``Linear8bitLt``; instance attributes, the classes stay untouched) and refuses
-what it cannot compute exactly: DoRA and other LoRA variants, LoRA biases. A call with ``adapter_names``, merged
-or disabled adapters runs PEFT's own forward. :func:`disable_fused_lora` removes the instance attributes.
+The switch (:data:`FUSED_LORA`, ``apply(fused_lora=True)``, or :func:`enable_fused_lora`) puts the fused forward in
+front of each plain-LoRA linear layer of one model (PEFT's ``Linear`` and bitsandbytes' ``Linear4bit`` /
+``Linear8bitLt``; on the instances, through the model's restore log: the classes stay untouched) and refuses what
+it cannot compute exactly: DoRA and other LoRA variants, LoRA biases. A call with ``adapter_names``, merged or
+disabled adapters runs PEFT's own forward. :func:`disable_fused_lora` takes it back.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from ._util import override_forward, overridden, restore_forwards
-from .model_state import register_state_reader, state
+from .model_state import state
+from .restore import Optimization, changes, entries
+from .structure import base_model
 
-_ORIGINAL = "_fastsft_peft_forward"
+SWITCH = "fused_lora"
 
 
 def _lora_linear_classes() -> tuple[type, ...]:
@@ -64,10 +68,11 @@ def peft_lora_forward(module, x: torch.Tensor, adapter: str) -> torch.Tensor:
     return (result + lora_B(lora_A(module.lora_dropout[adapter](x))) * module.scaling[adapter]).to(result.dtype)
 
 
-def fused_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """PEFT LoRA ``Linear.forward`` with each active adapter added into the base output by one in-place GEMM."""
+def fused_lora_forward(self, original, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """PEFT LoRA ``Linear.forward`` with each active adapter added into the base output by one in-place GEMM
+    (``original``: the layer's own forward)."""
     if self.disable_adapters or self.merged or kwargs.get("adapter_names") is not None:
-        return self.__dict__[_ORIGINAL](x, *args, **kwargs)
+        return original(x, *args, **kwargs)
     self._check_forward_args(x, *args, **kwargs)
     result = self.base_layer(x, *args, **kwargs)                    # (..., out)
     if result._base is not None:
@@ -111,6 +116,39 @@ def fused_lora_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+@dataclass
+class FusedLora:
+    """The ``fused_lora`` switch's record in the model's restore log."""
+
+    layers: int
+
+    def state(self) -> dict:
+        return {"fused_lora": True}
+
+
+def validate(model: nn.Module, value, options: dict) -> bool:
+    """The ``fused_lora`` switch's checks: True or False, and PEFT LoRA layers it computes exactly."""
+    if not isinstance(value, bool):
+        raise ValueError(f"fused_lora must be True or False, got {value!r}")
+    if not fused_lora_targets(model):
+        raise ValueError(f"fused_lora=True needs PEFT LoRA linear layers; {type(base_model(model)).__name__} "
+                         "has none")
+    return value
+
+
+def enable(model: nn.Module, value: bool = True) -> None:
+    """Put :func:`fused_lora_forward` in front of every plain-LoRA linear layer's forward (checked by
+    :func:`validate`)."""
+    log = changes(model, SWITCH)
+    targets = fused_lora_targets(model)
+    for _, m in targets:
+        log.forward(m, fused_lora_forward)
+    log.record = FusedLora(len(targets))
+
+
+FUSED_LORA = Optimization(SWITCH, validate, enable, off=(False,))
+
+
 def enable_fused_lora(model: nn.Module):
     """Run every plain-LoRA linear layer of ``model`` through :func:`fused_lora_forward`.
 
@@ -118,31 +156,23 @@ def enable_fused_lora(model: nn.Module):
         ValueError: the model has no PEFT LoRA linear layer.
         NotImplementedError: a LoRA variant (DoRA, ...) or a LoRA bias, before anything changes.
     """
-    targets = fused_lora_targets(model)
-    if not targets:
+    if not fused_lora_targets(model):
         raise ValueError(f"{type(model).__name__} has no PEFT LoRA linear layer (peft.get_peft_model with "
                          "LoraConfig): fused LoRA has nothing to fuse")
-    for _, m in targets:
-        override_forward(m, _ORIGINAL, fused_lora_forward)
+    enable(model)
     return state(model)
 
 
 def disable_fused_lora(model: nn.Module):
     """PEFT's own forward on every layer again (a no-op when fused LoRA is off)."""
-    restore_forwards(model, _ORIGINAL)
+    FUSED_LORA.disable(model)
     return state(model)
 
 
 def fused_lora_layers(model: nn.Module) -> int:
     """How many layers of ``model`` run the fused LoRA forward."""
-    return overridden(model, _ORIGINAL)
+    return sum(1 for e in entries(model, SWITCH) if e.name == "forward")
 
 
-def _read_state(model: nn.Module) -> dict:
-    return {"fused_lora": True} if fused_lora_layers(model) else {}
-
-
-register_state_reader("fused_lora", _read_state)
-
-__all__ = ["enable_fused_lora", "disable_fused_lora", "fused_lora_forward", "fused_lora_layers",
+__all__ = ["FUSED_LORA", "enable_fused_lora", "disable_fused_lora", "fused_lora_forward", "fused_lora_layers",
            "fused_lora_targets", "peft_lora_forward"]

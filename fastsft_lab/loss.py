@@ -25,27 +25,33 @@ No host sync: the per-row losses are summed on the device, and the number of tok
 (``num_items_in_batch``, as transformers' Trainer passes it) or stays a device tensor that the sum is divided by.
 (Liger-Kernel's fused loss reads it back with ``.item()``.)
 
-The switch :func:`enable_fused_loss` replaces the forward of one model instance (not of its class) by
-:func:`fused_causal_lm_forward`, which runs the model's decoder as it is and computes transformers'
+The switch (:data:`FUSED_LOSS`, ``apply(fused_loss=True)``, or :func:`enable_fused_loss`) puts
+:func:`fused_causal_lm_forward` in front of the forward of one model instance (not of its class), through the
+model's restore log; it runs the model's decoder as it is and computes transformers'
 ``ForCausalLMLoss`` -- labels shifted by one, ``-100`` ignored, summed and divided by ``num_items_in_batch`` or
 averaged -- plus, for MoE models, the same router load-balancing loss the model's own forward adds. With labels it
 returns no logits (there are none); without labels it is the model's own forward. :func:`disable_fused_loss`
-removes the instance attribute.
+takes it back.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._util import KernelSwitch, on_device_of, override_forward, restore_forwards
-from .model_state import ModelState, register_state_reader, state
-from .models import base_model
+from ._util import KernelSwitch, on_device_of
+from .model_state import ModelState, state
+from .restore import Optimization, changes, is_on, record
+from .structure import base_model
 
 IGNORE_INDEX = -100
-_ATTR = "_fastsft_fused_loss"
+SWITCH = "fused_loss"
 
 
 # --- one chunk's loss and gradient of the logits: the eager expression and the Triton kernel ---------------------
@@ -204,10 +210,23 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     return total / num_items_in_batch
 
 
-def fused_causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                            inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
-    """A transformers ``*ForCausalLM`` forward whose loss is :func:`linear_cross_entropy` (no logits with labels)."""
-    original = self.__dict__[_ATTR]
+@dataclass
+class FusedLoss:
+    """The ``fused_loss`` switch's record in the model's restore log: the model's output class and where its router
+    load-balancing loss is averaged (:func:`set_router_loss_scope`)."""
+
+    output: Any
+    scope: str = "rank"
+
+    def state(self) -> dict:
+        return {"fused_loss": True}
+
+
+def fused_causal_lm_forward(fused: FusedLoss, self, original, input_ids=None, attention_mask=None, position_ids=None,
+                            past_key_values=None, inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0,
+                            **kwargs):
+    """A transformers ``*ForCausalLM`` forward whose loss is :func:`linear_cross_entropy` (no logits with labels);
+    ``original`` is the model's own forward, ``fused`` the switch's record."""
     if labels is None or past_key_values is not None:
         return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
@@ -227,7 +246,7 @@ def fused_causal_lm_forward(self, input_ids=None, attention_mask=None, position_
     if moe:
         aux = None
         if router:
-            if self.__dict__.get(_SCOPE) == "global" and _world_size() > 1:
+            if fused.scope == "global" and _world_size() > 1:
                 aux = load_balancing_loss_across_ranks(outputs.router_logits, self.num_experts,
                                                        self.num_experts_per_tok, attention_mask)
             else:
@@ -235,10 +254,7 @@ def fused_causal_lm_forward(self, input_ids=None, attention_mask=None, position_
                 aux = balance(outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask)
             loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
         out.update(loss=loss, aux_loss=aux, router_logits=outputs.router_logits)
-    return self.__dict__[_ATTR + "_output"](**out)
-
-
-_SCOPE = "_fastsft_router_loss_scope"
+    return fused.output(**out)
 
 
 def _world_size() -> int:
@@ -295,11 +311,10 @@ def set_router_loss_scope(model: nn.Module, scope: str) -> None:
     Needs the fused loss on (``apply(model, fused_loss=True)``)."""
     if scope not in ("rank", "global"):
         raise ValueError(f"router loss scope must be 'rank' or 'global', got {scope!r}")
-    base = base_model(model)
-    if _ATTR not in base.__dict__:
+    if not is_on(model, SWITCH):
         raise ValueError("the router loss across ranks is computed by the fused loss: apply(model, fused_loss=True) "
                          "first")
-    base.__dict__[_SCOPE] = scope
+    record(model, SWITCH).scope = scope
 
 
 def _output_class(model: nn.Module):
@@ -331,29 +346,41 @@ def check_fused_loss(model: nn.Module) -> None:
                                       "the fused loss does not do: leave fused_loss off for this model")
 
 
+def validate(model: nn.Module, value, options: dict) -> bool:
+    """The ``fused_loss`` switch's checks: True or False, and a model whose loss it computes exactly."""
+    if not isinstance(value, bool):
+        raise ValueError(f"fused_loss must be True or False, got {value!r}")
+    check_fused_loss(model)
+    return value
+
+
+def enable(model: nn.Module, value: bool = True) -> None:
+    """Put :func:`fused_causal_lm_forward` in front of the model's forward (a no-op when it is there)."""
+    log = changes(model, SWITCH)
+    if log.record is not None:
+        return
+    base = base_model(model)
+    log.record = FusedLoss(_output_class(base))
+    log.forward(base, functools.partial(fused_causal_lm_forward, log.record))
+
+
+FUSED_LOSS = Optimization(SWITCH, validate, enable, off=(False,))
+
+
 def enable_fused_loss(model: nn.Module) -> ModelState:
     """Compute the training loss with :func:`linear_cross_entropy` on this model instance (PEFT-wrapped or not)."""
-    base = base_model(model)
-    if _ATTR in base.__dict__:
-        return state(model)
-    check_fused_loss(model)
-    base.__dict__[_ATTR + "_output"] = _output_class(base)
-    override_forward(base, _ATTR, fused_causal_lm_forward)
+    if not is_on(model, SWITCH):
+        check_fused_loss(model)
+        enable(model)
     return state(model)
 
 
 def disable_fused_loss(model: nn.Module) -> ModelState:
     """Give the model back its own forward (a no-op when the fused loss is off)."""
-    restore_forwards(base_model(model), _ATTR, extra=(_ATTR + "_output", _SCOPE))
+    FUSED_LOSS.disable(model)
     return state(model)
 
 
-def _read_state(model: nn.Module) -> dict:
-    return {"fused_loss": True} if _ATTR in base_model(model).__dict__ else {}
-
-
-register_state_reader("fused_loss", _read_state)
-
-__all__ = ["check_fused_loss", "LOGIT_TRANSFORMS", "linear_cross_entropy", "enable_fused_loss", "disable_fused_loss",
+__all__ = ["FUSED_LOSS", "FusedLoss", "check_fused_loss", "LOGIT_TRANSFORMS", "linear_cross_entropy", "enable_fused_loss", "disable_fused_loss",
            "fused_causal_lm_forward",
            "fused_ce_available", "set_fused_ce", "load_balancing_loss_across_ranks", "set_router_loss_scope"]

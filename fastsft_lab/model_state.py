@@ -1,16 +1,17 @@
 """What is switched on, per model: the one value every switch of fastsft_lab returns.
 
-Each optimization keeps its own record on the model and registers a *reader* here when its module is imported;
-:func:`state` asks every registered reader. A module that was never imported cannot have switched anything on,
-so its part of the state is simply "off". This module imports none of them (no import cycle).
+Every switch keeps what it changed, and its record, in the model's restore log (:mod:`fastsft_lab.restore`);
+:func:`state` reads the log: each switch that is on contributes what its record reports (``record.state()``).
+A switch that changed nothing is off. This module imports none of the switches (no import cycle).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Callable
-
 from torch import nn
+
+from .restore import on_records
+from .structure import base_model, unwrap
 
 
 @dataclass(frozen=True)
@@ -47,30 +48,18 @@ class ModelState:
         return asdict(self)
 
 
-_READERS: dict[str, Callable[[nn.Module], dict]] = {}
-
-
-def register_state_reader(name: str, reader: Callable[[nn.Module], dict]) -> None:
-    """``reader(model) -> {field: value}`` for some :class:`ModelState` fields (one registration per module)."""
-    _READERS[name] = reader
-
-
 def checkpointing_of(model: nn.Module) -> str:
     """``"standard"`` when transformers' own checkpointing is on for the decoder layers, else ``"none"``."""
-    from .models import base_model
-
     return "standard" if getattr(base_model(model), "is_gradient_checkpointing", False) else "none"
 
 
 def state(model: nn.Module) -> ModelState:
     """The optimizations switched on for ``model`` right now."""
-    from .models import unwrap
-
     model = unwrap(model)
     values: dict = {"checkpointing": checkpointing_of(model)}
-    for reader in _READERS.values():
-        values.update(reader(model))
+    for rec in on_records(model):
+        values.update(rec.state())
     return ModelState(**values)
 
 
-__all__ = ["ModelState", "state", "register_state_reader", "checkpointing_of"]
+__all__ = ["ModelState", "state", "checkpointing_of"]

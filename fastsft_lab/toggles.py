@@ -1,22 +1,49 @@
-"""One switchboard for the three optimizations on a live model: ``apply(model, ...)`` and ``revert(model)``.
+"""The door to every switch on a live model: ``apply(model, ...)`` and ``revert(model)``.
 
-Each argument left at ``None`` leaves that optimization as it is. Every argument is validated before anything
-changes, so a bad one leaves the model untouched. ``revert`` puts every one back exactly as the model had it
-before the first ``apply`` (original attention implementation, checkpoint functions, experts implementation).
-Like every switch of fastsft_lab, both return the model's :class:`~fastsft_lab.model_state.ModelState`; the
-per-optimization modules (``fastsft_lab.packing``, ``.offload``, ``.moe``) have the finer controls.
+Each argument left at ``None`` leaves that switch as it is. Every argument is validated before anything changes,
+so a bad one leaves the model untouched. Each switch is one :class:`~fastsft_lab.restore.Optimization`, defined
+beside the code it switches (``packing/switch.py``, ``offload/switch.py``, ``offload/plan.py``, ``moe/switch.py``,
+``loss.py``, ``lora.py``, ``dequant.py``); what it changes goes through the model's restore log, so ``revert`` is
+the log's undo: every change taken back, the last first. The door knows only the order, the
+validate-all-then-enable rule, which arguments are a switch's modes, and the wrappers it sees through. Like every
+switch of fastsft_lab, both return the model's :class:`~fastsft_lab.model_state.ModelState`.
 """
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
-from typing import Any, Callable
+import warnings
+from typing import Any
 
 from torch import nn
 
-from .models import base_model, decoder_layers, unwrap
+from .dequant import FUSED_DEQUANT
+from .lora import FUSED_LORA
+from .loss import FUSED_LOSS
 from .model_state import ModelState, state
+from .moe.switch import MOE
+from .offload.plan import BUDGET
+from .offload.switch import OFFLOAD
+from .packing.switch import PACKED
+from .restore import Optimization, undo
+from .structure import base_model, decoder_layers, unwrap
+
+# The switches in the order apply enables them.
+OPTIMIZATIONS: tuple[Optimization, ...] = (PACKED, OFFLOAD, BUDGET, MOE, FUSED_LOSS, FUSED_LORA, FUSED_DEQUANT)
+
+
+def register(opt: Optimization) -> Optimization:
+    """Add a switch to :func:`apply` (enabled after the others; its name and options become arguments)."""
+    global OPTIMIZATIONS
+    if any(o.name == opt.name for o in OPTIMIZATIONS):
+        raise ValueError(f"a switch named {opt.name!r} is registered already")
+    OPTIMIZATIONS = (*OPTIMIZATIONS, opt)
+    return opt
+
+
+def unregister(name: str) -> None:
+    """Remove the switch ``name`` added with :func:`register`."""
+    global OPTIMIZATIONS
+    OPTIMIZATIONS = tuple(o for o in OPTIMIZATIONS if o.name != name)
 
 
 def _check_model(model) -> None:
@@ -30,298 +57,27 @@ def _check_model(model) -> None:
                          ) from None
 
 
-@dataclass(frozen=True)
-class Optimization:
-    """One switch of :func:`apply`, in the shape every switch has: ``validate(model, value, args)`` raises a one-line
-    error and changes nothing; ``enable(model, value, args)`` turns it on (or to another mode); ``disable(model)``
-    turns it off, exactly back to what the model had; ``off`` lists the values that mean off. ``args`` are all of
-    :func:`apply`'s arguments (a switch may depend on another: prefetch on offload, the cache on packed attention).
-    What is on is read by :func:`fastsft_lab.model_state.state`."""
-
-    name: str
-    validate: Callable[[nn.Module, Any, dict], None]
-    enable: Callable[[nn.Module, Any, dict], None]
-    disable: Callable[[nn.Module], None]
-    off: tuple = ()
-
-
-def _is_off(opt: Optimization, value) -> bool:
-    return any(value is o or (type(value) is type(o) and value == o) for o in opt.off)
-
-
-# -- packed attention (optimization 1) -------------------------------------------------------------------------------
-def _validate_packed(model, value, args) -> None:
-    from .packing.registry import get_backend
-    from .packing.switch import check_packed_backend
-
-    get_backend(value)                         # one line naming the valid backends
-    check_packed_backend(model, value)
-
-
-def _enable_packed(model, value, args) -> None:
-    from .packing.switch import enable_packed_attention
-
-    cache = args.get("packed_metadata_cache")
-    enable_packed_attention(model, value, cache=True if cache is None else cache)
-
-
-def _disable_packed(model) -> None:
-    from .packing.switch import disable_packed_attention, packed_attention_state
-
-    if packed_attention_state(model) is not None:
-        disable_packed_attention(model)
-
-
-def _validate_cache(model, value, args) -> None:
-    from .packing.switch import packed_attention_state
-
-    if not isinstance(value, bool):
-        raise ValueError(f"packed_metadata_cache must be True or False, got {value!r}")
-    packed = args.get("packed_attention")
-    if (packed is not None and _is_off(PACKED, packed)) or (packed is None and packed_attention_state(model) is None):
-        raise ValueError("packed_metadata_cache needs packed_attention=<backend> (now or in an earlier apply)")
-
-
-def _enable_cache(model, value, args) -> None:
-    from .packing.switch import set_packed_metadata_cache
-
-    if args.get("packed_attention") is None:   # with a backend, _enable_packed set the cache already
-        set_packed_metadata_cache(model, value)
-
-
-# -- offloaded checkpointing (optimization 2) ------------------------------------------------------------------------
-def _budget_given(args) -> bool:
-    budget = args.get("memory_budget")
-    return budget is not None and not _is_off(BUDGET, budget)
-
-
-def _validate_offload(model, value, args) -> None:
-    from .offload.manager import _check_buffers
-
-    prefetch = args.get("prefetch")
-    if isinstance(value, bool) or not isinstance(value, int) or value not in (0, 1, 2):
-        raise ValueError(f"offload_buffers must be 0 (standard checkpointing), 1 or 2, got {value!r}")
-    if value:
-        _check_buffers(value, prefetch)
-    elif prefetch:
-        raise ValueError("prefetch needs offload_buffers=2")
-    if value == 0 and _budget_given(args):
-        raise ValueError("memory_budget chooses the checkpointing of each layer, offload_buffers=0 (standard "
-                         "checkpointing everywhere) contradicts it: leave offload_buffers out, or give 1 or 2 (the "
-                         "staging buffers of the layers the plan offloads)")
-
-
-def _enable_offload(model, value, args) -> None:
-    from .offload.plan import disable_memory_plan, memory_planner
-    from .offload.switch import (disable_offloaded_checkpointing, enable_offloaded_checkpointing,
-                                 enable_standard_checkpointing, is_offloaded)
-
-    if _budget_given(args):
-        return                     # the memory plan offloads with these buffers (_enable_budget)
-    if memory_planner(model) is not None:
-        import warnings
-
-        warnings.warn(f"offload_buffers={value} set by hand replaces the memory plan (memory_budget off)",
-                      stacklevel=4)
-        disable_memory_plan(model)
-    if value == 0:                 # standard checkpointing: transformers' own, no copies
-        if is_offloaded(model):
-            disable_offloaded_checkpointing(model)
-        enable_standard_checkpointing(model)   # a no-op when checkpointing is on already
-    else:
-        enable_offloaded_checkpointing(model, value, args.get("prefetch"))
-
-
-def _disable_offload(model) -> None:
-    from .offload.plan import disable_memory_plan
-    from .offload.switch import disable_offloaded_checkpointing, disable_standard_checkpointing, is_offloaded
-
-    disable_memory_plan(model)
-    if is_offloaded(model):
-        disable_offloaded_checkpointing(model, release_pool=True)
-    disable_standard_checkpointing(model)      # only what apply turned on; the user's own stays
-
-
-def _validate_prefetch(model, value, args) -> None:
-    buffers = args.get("offload_buffers")
-    if buffers is None and _budget_given(args):
-        return                     # the plan's offloaded layers use two buffers
-    if buffers is None or (isinstance(buffers, (str, bool)) and buffers in ("off", False)):
-        raise ValueError("prefetch needs offload_buffers=2")
-
-
-# -- the checkpointing plan for a memory budget ----------------------------------------------------------------------
-def _validate_budget(model, value, args) -> None:
-    from .models import model_device
-    from .offload.plan import budget_bytes, check_budget_floor, check_not_sharded
-    from .offload.switch import resolve_device
-
-    buffers = args.get("offload_buffers")
-    if isinstance(buffers, (str, bool)) and buffers in ("off", False):
-        raise ValueError("memory_budget offloads the layers it cannot keep: offload_buffers='off' contradicts it")
-    check_budget_floor(model, budget_bytes(value, resolve_device(model_device(model))))
-    check_not_sharded(model)
-    _validate_max_tokens(model, args.get("max_tokens"), args)
-
-
-def _validate_max_tokens(model, value, args) -> None:
-    from .offload.plan import memory_planner
-
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"max_tokens must be a positive int (the most tokens a batch can have), got {value!r}")
-    if not _budget_given(args) and memory_planner(model) is None:
-        raise ValueError("max_tokens needs memory_budget=<GiB> (now or in an earlier apply)")
-
-
-def _enable_budget(model, value, args) -> None:
-    import warnings
-
-    from .offload.plan import disable_memory_plan, enable_memory_plan, memory_planner
-    from .offload.switch import is_offloaded
-
-    if memory_planner(model) is not None:
-        disable_memory_plan(model)
-    elif (not is_offloaded(model) and getattr(base_model(model), "is_gradient_checkpointing", False)
-          and base_model(model) not in _WARNED_OWN_CHECKPOINTING):
-        _WARNED_OWN_CHECKPOINTING.add(base_model(model))          # once per model
-        warnings.warn("memory_budget replaces the model's own gradient checkpointing with a per-layer plan; "
-                      "revert() (or memory_budget='off') gives it back", stacklevel=4)
-    buffers = args.get("offload_buffers") or 2
-    enable_memory_plan(model, value, buffers=buffers, prefetch=args.get("prefetch"), max_tokens=args.get("max_tokens"))
-
-
-_WARNED_OWN_CHECKPOINTING: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-
-
-def _disable_budget(model) -> None:
-    from .offload.plan import disable_memory_plan
-
-    disable_memory_plan(model)
-
-
-def _enable_max_tokens(model, value, args) -> None:
-    from .offload.plan import memory_planner
-
-    planner = memory_planner(model)
-    if not _budget_given(args) and planner is not None:     # with a budget, _enable_budget passed it already
-        planner.max_tokens = value
-
-
-# -- MoE routing (optimization 3) ------------------------------------------------------------------------------------
-def _validate_moe(model, value, args) -> None:
-    from .moe.switch import check_moe_routing
-
-    check_moe_routing(model, value)
-
-
-def _enable_moe(model, value, args) -> None:
-    from .moe.switch import set_moe_routing
-
-    set_moe_routing(model, value)
-
-
-def _disable_moe(model) -> None:
-    from .moe.switch import moe_routing_switched, set_moe_routing
-
-    if moe_routing_switched(model):
-        set_moe_routing(model, None)
-
-
-# -- the fast-kernel floor -------------------------------------------------------------------------------------------
-def _validate_flag(name: str):
-    def check(model, value, args) -> None:
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be True or False, got {value!r}")
-    return check
-
-
-def _validate_fused_loss(model, value, args) -> None:
-    _validate_flag("fused_loss")(model, value, args)
-    if value:
-        from .loss import check_fused_loss
-
-        check_fused_loss(model)
-
-
-def _enable_fused_loss(model, value, args) -> None:
-    from .loss import enable_fused_loss
-
-    enable_fused_loss(model)
-
-
-def _disable_fused_loss(model) -> None:
-    from .loss import disable_fused_loss
-
-    disable_fused_loss(model)
-
-
-def _validate_fused_lora(model, value, args) -> None:
-    _validate_flag("fused_lora")(model, value, args)
-    if value:
-        from .lora import fused_lora_targets
-
-        if not fused_lora_targets(model):
-            raise ValueError(f"fused_lora=True needs PEFT LoRA linear layers; {type(base_model(model)).__name__} "
-                             "has none")
-
-
-def _enable_fused_lora(model, value, args) -> None:
-    from .lora import enable_fused_lora
-
-    enable_fused_lora(model)
-
-
-def _disable_fused_lora(model) -> None:
-    from .lora import disable_fused_lora
-
-    disable_fused_lora(model)
-
-
-def _validate_fused_dequant(model, value, args) -> None:
-    _validate_flag("fused_dequant")(model, value, args)
-    if value:
-        from .dequant import fused_dequant_targets
-
-        if not fused_dequant_targets(model):
-            raise ValueError(f"fused_dequant=True needs bitsandbytes Linear4bit layers (QLoRA); "
-                             f"{type(base_model(model)).__name__} has none")
-
-
-def _enable_fused_dequant(model, value, args) -> None:
-    from .dequant import enable_fused_dequant
-
-    enable_fused_dequant(model)
-
-
-def _disable_fused_dequant(model) -> None:
-    from .dequant import disable_fused_dequant
-
-    disable_fused_dequant(model)
-
-
-def _nothing(model, *args) -> None:
-    return None
-
-
-PACKED = Optimization("packed_attention", _validate_packed, _enable_packed, _disable_packed, off=("off", False))
-BUDGET = Optimization("memory_budget", _validate_budget, _enable_budget, _disable_budget, off=("off", False))
-# The switches in the order apply enables them (revert disables in the reverse order). packed_metadata_cache,
-# prefetch and max_tokens are modes of packed attention, of the offload and of the memory plan: no "off" of their own.
-OPTIMIZATIONS: tuple[Optimization, ...] = (
-    PACKED,
-    Optimization("packed_metadata_cache", _validate_cache, _enable_cache, _nothing),
-    Optimization("offload_buffers", _validate_offload, _enable_offload, _disable_offload, off=("off", False)),
-    Optimization("prefetch", _validate_prefetch, _nothing, _nothing),
-    BUDGET,
-    Optimization("max_tokens", _validate_max_tokens, _enable_max_tokens, _nothing),
-    Optimization("moe_routing", _validate_moe, _enable_moe, _disable_moe, off=("off", False)),
-    Optimization("fused_loss", _validate_fused_loss, _enable_fused_loss, _disable_fused_loss, off=(False,)),
-    Optimization("fused_lora", _validate_fused_lora, _enable_fused_lora, _disable_fused_lora, off=(False,)),
-    Optimization("fused_dequant", _validate_fused_dequant, _enable_fused_dequant, _disable_fused_dequant,
-                 off=(False,)),
-)
+def _steps(args: dict[str, Any]) -> list[tuple[Optimization, Any, dict]]:
+    """Each switch this call turns, with its value (None: as it is) and its options. A switch another one takes
+    over in this call is not one: its value and options are the taker's options."""
+    by_name = {o.name: o for o in OPTIMIZATIONS}
+    taken = {t for o in OPTIMIZATIONS if o.name in args and not o.is_off(args[o.name]) for t in o.takes}
+    steps = []
+    for opt in OPTIMIZATIONS:
+        if opt.name in taken:
+            continue
+        value = args.get(opt.name)
+        names = list(opt.options)
+        if value is not None and not opt.is_off(value):
+            names += [n for t in opt.takes for n in (t, *by_name[t].options)]
+        options = {n: args[n] for n in names if n in args}
+        if value is not None or options:
+            steps.append((opt, value, options))
+    return steps
+
+
+def _takers(opt: Optimization, enabled: set[str]) -> list[Optimization]:
+    return [o for o in OPTIMIZATIONS if opt.name in o.takes and o.name not in enabled]
 
 
 def apply(
@@ -337,6 +93,7 @@ def apply(
     fused_dequant: bool | None = None,
     memory_budget: float | str | bool | None = None,
     max_tokens: int | None = None,
+    **switches: Any,
 ) -> ModelState:
     """Switch optimizations on (or between modes) on ``model``.
 
@@ -371,6 +128,8 @@ def apply(
         max_tokens: with ``memory_budget``, the most tokens a batch can have: the plan holds the budget for it
             (default: re-plans when a larger batch arrives).
 
+        **switches: the arguments of switches added with :func:`register` (none by default).
+
     Every argument left at None leaves its switch as it is; each switch is an :class:`Optimization` of
     :data:`OPTIMIZATIONS`, validated all before any is changed.
 
@@ -380,32 +139,47 @@ def apply(
     args = {"packed_attention": packed_attention, "packed_metadata_cache": packed_metadata_cache,
             "offload_buffers": offload_buffers, "prefetch": prefetch, "moe_routing": moe_routing,
             "fused_loss": fused_loss, "fused_lora": fused_lora, "fused_dequant": fused_dequant,
-            "memory_budget": memory_budget,
-            "max_tokens": max_tokens}
-    # validate everything first: a bad argument must not leave the model half switched
+            "memory_budget": memory_budget, "max_tokens": max_tokens}
+    known = {n for o in OPTIMIZATIONS for n in (o.name, *o.options)}
+    unknown = sorted(set(switches) - known)
+    if unknown:
+        raise TypeError(f"apply() got unknown switch(es) {', '.join(unknown)}; the switches are "
+                        f"{', '.join(sorted(known | set(args)))}")
+    args.update(switches)
+    given = {name: value for name, value in args.items() if value is not None}
     model = unwrap(model)            # DDP / torch.compile: the switches act on the module they wrap; FSDP1 refused
     _check_model(model)
-    for opt in OPTIMIZATIONS:
-        value = args[opt.name]
-        if value is not None and not _is_off(opt, value):
-            opt.validate(model, value, args)
-    for opt in OPTIMIZATIONS:
-        value = args[opt.name]
-        if value is None:
-            continue
-        if _is_off(opt, value):
+    # validate everything first: a bad argument must not leave the model half switched
+    steps = []
+    for opt, value, options in _steps(given):
+        if value is not None and opt.is_off(value):
+            if options:
+                raise ValueError(f"{', '.join(options)} needs {opt.name} on, and this call switches it off "
+                                 f"({opt.name}={value!r})")
+            steps.append((opt, value, None))
+        else:
+            steps.append((opt, value, opt.validate(model, value, options)))
+    enabled = {opt.name for opt, value, _ in steps if value is not None and not opt.is_off(value)}
+    for opt, value, settings in steps:
+        if value is not None:
+            for taker in _takers(opt, enabled):      # set alone, a switch another one took over comes back
+                if taker.is_on(model) and not opt.is_off(value):
+                    warnings.warn(f"{opt.name}={value!r} set by hand replaces {taker.name} (switched off)",
+                                  stacklevel=2)
+                taker.disable(model)
+        if value is not None and opt.is_off(value):
             opt.disable(model)
         else:
-            opt.enable(model, value, args)
+            opt.enable(model, settings)
     return state(model)
 
 
 def revert(model: nn.Module) -> ModelState:
-    """Undo every optimization fastsft_lab switched on for ``model``: back to its original behaviour."""
+    """Undo every change fastsft_lab's switches made to ``model`` (its restore log, the last change first): back to
+    its original behaviour."""
     model = unwrap(model)
-    for opt in reversed(OPTIMIZATIONS):
-        opt.disable(model)
+    undo(model)
     return state(model)
 
 
-__all__ = ["apply", "revert", "state", "Optimization", "OPTIMIZATIONS"]
+__all__ = ["apply", "revert", "state", "register", "unregister", "Optimization", "OPTIMIZATIONS"]

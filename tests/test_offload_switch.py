@@ -111,4 +111,7 @@ def test_checkpointing_replaced_after_apply_is_reported_and_warned_once(switch, 
         assert O.displaced_layers(model) == 0 and O.offload_manager(model).stats.saves > saves
     finally:
         fastsft_lab.revert(model)
-    assert model.get_base_model() not in O.switch._WATCHES          # the watch goes with the offload
+    from fastsft_lab.restore import log_of
+
+    assert log_of(model) is None          # the watch (and every other change) goes with the switch
+    assert not model.get_base_model()._forward_pre_hooks

@@ -506,7 +506,7 @@ def test_budget_and_hand_set_checkpointing_say_which_wins():
         state = fastsft_lab.apply(model, memory_budget=16, offload_buffers=1, max_tokens=4096)
         assert state.checkpointing == "plan" and P.memory_planner(model).buffers == 1
         assert P.memory_planner(model).max_tokens == 4096
-        with pytest.warns(UserWarning, match="replaces the memory plan"):
+        with pytest.warns(UserWarning, match="replaces memory_budget"):
             state = fastsft_lab.apply(model, offload_buffers=2)
         assert state.checkpointing == "offload" and state.memory_plan is None
     finally:

@@ -229,7 +229,7 @@ def test_a_switch_turned_off_alone_leaves_the_others_on(moe_model):
     assert s.packed is None and s.offload_buffers == 2 and s.fused_loss
     with pytest.raises(ValueError, match="packed_metadata_cache needs packed_attention"):
         fastsft_lab.apply(moe_model, packed_attention="off", packed_metadata_cache=False)
-    with pytest.raises(ValueError, match="prefetch needs offload_buffers=2"):
+    with pytest.raises(ValueError, match="prefetch needs offload_buffers"):
         fastsft_lab.apply(moe_model, offload_buffers="off", prefetch=True)
     fastsft_lab.revert(moe_model)
 

@@ -30,7 +30,7 @@ from .grouping import combine, group_by_expert, inverse_permutation, tokens_in_e
 from .matmul import grouped_mm, grouped_mm_unavailable
 from .modules import experts_modules, is_experts_module
 from .nf4 import dequantize_expert_weight, nf4_expert_bytes, quantize_experts_nf4
-from .switch import (IMPLEMENTATIONS, MODES, STOCK_IMPLEMENTATIONS, check_moe_routing, experts_implementation,
+from .switch import (IMPLEMENTATIONS, MODES, MOE, STOCK_IMPLEMENTATIONS, check_moe_routing, experts_implementation,
                      get_moe_routing, moe_routing, moe_routing_switched, set_moe_routing)
 
 __all__ = [
@@ -39,5 +39,5 @@ __all__ = [
     "tokens_in_expert_order", "combine", "grouped_mm", "grouped_mm_unavailable", "gpt_oss_glu", "fused_glu_available",
     "set_fused_glu", "is_experts_module", "experts_modules", "quantize_experts_nf4", "dequantize_expert_weight",
     "nf4_expert_bytes", "set_moe_routing", "get_moe_routing", "experts_implementation", "moe_routing",
-    "moe_routing_switched", "check_moe_routing",
+    "moe_routing_switched", "check_moe_routing", "MOE",
 ]

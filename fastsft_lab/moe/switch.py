@@ -4,31 +4,32 @@ The three forwards of :mod:`.experts` are registered once, at import, in
 ``transformers.integrations.moe.ExpertsInterface`` (as ``fastsft_naive`` / ``fastsft_grouped`` /
 ``fastsft_sync_free``); the decorated experts modules of the model-family record (``GptOssExperts``,
 ``Qwen3MoeExperts``, ``MixtralExperts``: :mod:`fastsft_lab.families`) then dispatch on
-``config._experts_implementation``, which :func:`set_moe_routing` changes with the model's public
-``set_experts_implementation``. The implementation the model had before the first switch (``grouped_mm`` for models
-built by ``from_config`` in transformers 5.x, ``eager`` if it was asked for) is recorded and put back by
-``set_moe_routing(model, None)``.
+``config._experts_implementation``, which :data:`MOE` (``apply(moe_routing=...)``, or :func:`set_moe_routing`)
+changes with the model's public ``set_experts_implementation``. What each config held before the first switch
+(``grouped_mm`` for models built by ``from_config`` in transformers 5.x, ``eager`` if it was asked for) is kept in
+the model's restore log and put back by ``set_moe_routing(model, None)``.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Iterator
 
 from torch import nn
 
-from .._compat import set_experts_implementation_of
-from ..models import base_model
-from ..model_state import ModelState, register_state_reader, state
+from .._compat import EXPERTS_IMPLEMENTATION, experts_implementation_of, set_experts_implementation_of
+from ..model_state import ModelState, state
+from ..restore import Changes, Optimization, changes, is_on, record, undo
+from ..structure import base_model
 from .experts import FORWARDS
 from .modules import experts_classes, experts_modules
 
+SWITCH = "moe_routing"
 MODES = ("naive", "grouped", "sync_free")
 # Names under which our forwards are registered in transformers' experts registry.
 IMPLEMENTATIONS = {"naive": "fastsft_naive", "grouped": "fastsft_grouped", "sync_free": "fastsft_sync_free"}
 STOCK_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
-_ORIGINAL_ATTR = "_fastsft_moe_original_impl"   # on the base model: what it ran before the first switch
-_MODE_ATTR = "_fastsft_moe_mode"                # on the base model: the mode last switched to
 
 
 def _register() -> None:
@@ -44,18 +45,31 @@ def _register() -> None:
 _register()
 
 
-def _set_implementation(model: nn.Module, impl: str | list[str]) -> None:
-    """``impl`` for every experts module (or, as a list, one value per module in :func:`experts_modules` order)."""
+@dataclass
+class MoeRouting:
+    """The ``moe_routing`` switch's record in the model's restore log: the mode it switched the experts to."""
+
+    mode: str
+
+    def state(self) -> dict:
+        return {"moe_routing": self.mode}
+
+
+def _set_implementation(log: Changes, model: nn.Module, impl: str) -> None:
+    """``impl`` for every experts module, each config it writes kept in ``log`` first."""
     mods = experts_modules(model)
-    per_module = impl if isinstance(impl, list) else [impl] * len(mods)
     base = base_model(model)
+    configs = {id(c): c for c in [getattr(m, "config", None) for m in (base, *base.modules(), *mods)]
+               if c is not None and hasattr(c, EXPERTS_IMPLEMENTATION)}
+    for config in configs.values():
+        log.keep(config, EXPERTS_IMPLEMENTATION)
     if hasattr(base, "set_experts_implementation"):
         # transformers' public switch: validates the name, reaches the sub-models' configs
-        base.set_experts_implementation(per_module[0] if len(set(per_module)) == 1 else base.config._experts_implementation)
-    for m, value in zip(mods, per_module):
+        base.set_experts_implementation(impl)
+    for m in mods:
         # a config the public switch does not reach (a bare experts module, a module with a config of its own)
-        if m.config._experts_implementation != value:
-            set_experts_implementation_of(m.config, value)
+        if experts_implementation_of(m.config) != impl:
+            set_experts_implementation_of(m.config, impl)
 
 
 def _mode_of(impl: str | None) -> str | None:
@@ -68,7 +82,7 @@ def _mode_of(impl: str | None) -> str | None:
 def experts_implementation(model: nn.Module) -> str | None:
     """The raw ``config._experts_implementation`` of the model's experts (e.g. ``grouped_mm``, ``fastsft_grouped``)."""
     mods = experts_modules(model)
-    return mods[0].config._experts_implementation if mods else None
+    return experts_implementation_of(mods[0].config) if mods else None
 
 
 def get_moe_routing(model: nn.Module) -> str | None:
@@ -90,6 +104,21 @@ def check_moe_routing(model: nn.Module, mode) -> str | None:
     return mode
 
 
+def validate(model: nn.Module, value, options: dict) -> str:
+    """The ``moe_routing`` switch's check: a mode this model's experts take (one line otherwise)."""
+    return check_moe_routing(model, value)
+
+
+def enable(model: nn.Module, mode: str) -> None:
+    """Switch the experts to ``mode`` (checked by :func:`validate`) through transformers' experts registry."""
+    log = changes(model, SWITCH)
+    _set_implementation(log, model, IMPLEMENTATIONS.get(mode, mode))
+    log.record = MoeRouting(mode)
+
+
+MOE = Optimization(SWITCH, validate, enable, off=("off", False))
+
+
 def set_moe_routing(model: nn.Module, mode: str | None) -> ModelState:
     """Switch the expert routing of a live model.
 
@@ -104,46 +133,31 @@ def set_moe_routing(model: nn.Module, mode: str | None) -> ModelState:
         The model's :class:`~fastsft_lab.model_state.ModelState`.
     """
     mode = check_moe_routing(model, mode)
-    base = base_model(model)
     if mode is None:
-        if _ORIGINAL_ATTR in base.__dict__:
-            _set_implementation(model, base.__dict__.pop(_ORIGINAL_ATTR))
-            base.__dict__.pop(_MODE_ATTR, None)
-        return state(model)
-    if _ORIGINAL_ATTR not in base.__dict__:
-        base.__dict__[_ORIGINAL_ATTR] = [m.config._experts_implementation for m in experts_modules(model)]
-    _set_implementation(model, IMPLEMENTATIONS.get(mode, mode))
-    base.__dict__[_MODE_ATTR] = mode
+        MOE.disable(model)
+    else:
+        enable(model, mode)
     return state(model)
 
 
 def moe_routing_switched(model: nn.Module) -> bool:
     """Whether :func:`set_moe_routing` changed this model's experts (so that ``None`` has something to restore)."""
-    return _ORIGINAL_ATTR in base_model(model).__dict__
+    return is_on(model, SWITCH)
 
 
 @contextlib.contextmanager
 def moe_routing(model: nn.Module, mode: str | None) -> Iterator[nn.Module]:
     """``with moe_routing(model, "sync_free"): ...`` - switch, and put back exactly what was there before."""
-    base = base_model(model)
-    impl_before = [m.config._experts_implementation for m in experts_modules(model)]
-    record_before = {k: base.__dict__[k] for k in (_ORIGINAL_ATTR, _MODE_ATTR) if k in base.__dict__}
+    before = record(model, SWITCH).mode if is_on(model, SWITCH) else None
     set_moe_routing(model, mode)
     try:
         yield model
     finally:
-        _set_implementation(model, impl_before)
-        for k in (_ORIGINAL_ATTR, _MODE_ATTR):
-            base.__dict__.pop(k, None)
-        base.__dict__.update(record_before)
+        if before is None:
+            undo(model, SWITCH)
+        else:
+            enable(model, before)
 
 
-def _read_state(model: nn.Module) -> dict:
-    mode = base_model(model).__dict__.get(_MODE_ATTR)
-    return {"moe_routing": mode} if mode is not None else {}
-
-
-register_state_reader("moe", _read_state)
-
-__all__ = ["MODES", "IMPLEMENTATIONS", "STOCK_IMPLEMENTATIONS", "set_moe_routing", "get_moe_routing",
+__all__ = ["MOE", "MODES", "IMPLEMENTATIONS", "STOCK_IMPLEMENTATIONS", "set_moe_routing", "get_moe_routing",
            "experts_implementation", "moe_routing", "moe_routing_switched", "check_moe_routing"]

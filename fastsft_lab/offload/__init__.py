@@ -20,7 +20,9 @@ while layer k computes; with ``prefetch`` it is issued the moment layer k's back
 Layout: ``pool.py`` (pinned host slots), ``streams.py`` (every stream operation, issued on CUDA and logged; the
 stream-order model that checks the log), ``policy.py`` (which staging slot a layer uses: the 1-vs-2 buffer policy),
 ``manager.py`` (save in forward, reload and prefetch in backward), ``checkpoint.py`` (the layer's checkpoint
-function: recompute with RNG and autocast replayed), ``switch.py`` (on a live model).
+function: recompute with RNG and autocast replayed), ``switch.py`` (on a live model: the ``offload_buffers`` switch),
+``plan.py`` (the ``memory_budget`` switch: a checkpointing plan per layer), ``solver.py`` and ``saved.py`` (its
+solver and its offloaded saved activations).
 
 Side outputs that transformers records inside a layer (router logits for MoE's load-balancing loss, which TRL
 turns on for MoE models; hidden states) leave the offloaded forward as outputs of their own, and their gradient
@@ -33,11 +35,11 @@ from .manager import OffloadManager, OffloadStats
 from .policy import SlotPolicy
 from .pool import PinnedPool
 from .streams import StreamOps, Trace, check_stream_order
-from .switch import (CheckpointingSwitch, disable_offloaded_checkpointing, disable_standard_checkpointing,
-                     displaced_layers, enable_offloaded_checkpointing, enable_standard_checkpointing, is_offloaded,
-                     offload_manager)
+from .switch import (OFFLOAD, CheckpointingSwitch, OffloadSettings, disable_offloaded_checkpointing,
+                     disable_standard_checkpointing, displaced_layers, enable_offloaded_checkpointing,
+                     enable_standard_checkpointing, is_offloaded, offload_manager)
 
 __all__ = ["PinnedPool", "StreamOps", "Trace", "check_stream_order", "SlotPolicy", "OffloadManager", "OffloadStats",
            "offloaded_checkpoint", "enable_offloaded_checkpointing", "disable_offloaded_checkpointing", "is_offloaded",
            "offload_manager", "displaced_layers", "CheckpointingSwitch", "enable_standard_checkpointing",
-           "disable_standard_checkpointing"]
+           "disable_standard_checkpointing", "OFFLOAD", "OffloadSettings"]

@@ -352,8 +352,6 @@ def offloaded_checkpoint(function: Callable, *args, manager: OffloadManager, lay
 class LayerCheckpointFunc:
     """What a decoder layer's ``_gradient_checkpointing_func`` is set to: the offloaded checkpoint of that layer."""
 
-    fastsft_checkpointing = True      # marks fastsft_lab's layer functions (offload.switch.displaced_layers)
-
     def __init__(self, manager: OffloadManager, layer_index: int, layer: nn.Module):
         self.manager = manager
         self.layer_index = layer_index

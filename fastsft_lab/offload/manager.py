@@ -73,19 +73,6 @@ class OffloadStats:
         return dict(self.__dict__)
 
 
-def _check_buffers(buffers, prefetch) -> bool:
-    if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers not in (1, 2):
-        raise ValueError(f"buffers must be 1 (single staging buffer) or 2 (double buffer), got {buffers!r}")
-    if prefetch is None:
-        prefetch = buffers == 2
-    if not isinstance(prefetch, bool):
-        raise ValueError(f"prefetch must be True, False or None (default: on with 2 buffers), got {prefetch!r}")
-    if prefetch and buffers == 1:
-        raise ValueError("prefetch needs buffers=2: with one staging buffer the next reload would overwrite "
-                         "the input of the layer being back-propagated")
-    return prefetch
-
-
 class OffloadManager:
     """Offloaded checkpointing state of one model (see the module docstring for the stream ordering).
 
@@ -125,7 +112,10 @@ class OffloadManager:
 
     # -- configuration
     def configure(self, buffers: int, prefetch: bool | None = None) -> None:
-        prefetch = _check_buffers(buffers, prefetch)
+        """``buffers`` staging buffers (1 or 2; checked by the switch, :func:`~.switch.check_buffers`) and prefetch
+        (default: on with two)."""
+        if prefetch is None:
+            prefetch = buffers == 2
         self.release_staging()
         self.buffers = buffers
         self.prefetch = prefetch

@@ -65,13 +65,14 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from .._compat import TorchDispatchMode, is_fsdp2, pytree
 from .._util import pow2_ceil
-from ..model_state import register_state_reader
+from ..restore import Optimization, changes, is_on, record, undo
+from ..structure import base_model, decoder_layers, model_device
 from .pool import host_memory_available
 from .saved import MIN_BYTES as SAVED_MIN_BYTES
 from .saved import SavedOffload
 from .solver import CHOICES, BudgetError, GiB, LayerCost, Plan, _size, predict, solve
-from .switch import (disable_offloaded_checkpointing, displaced_layers, enable_offloaded_checkpointing,
-                     resolve_device, unified_memory)
+from .switch import (OFFLOAD, Offloading, check_buffers, check_checkpointing_layers, checkpoint_layers,
+                     make_offloading, not_running, resolve_device, unified_memory)
 
 logger = logging.getLogger(__name__)
 
@@ -384,6 +385,23 @@ class MemoryPlanner:
     saved: SavedOffload | None = None     # the offload_saved layers' activations (None: that choice is off)
     unified: bool = False      # the GPU shares the host's memory (GB10, Jetson): offloading frees nothing there
     ceiling: int | None = None # CUDA: the most a step can allocate (:func:`allocator_ceiling`, read at step 2)
+    offloading: Offloading | None = None   # the offloaded layers' manager and checkpoint functions
+    functions: list = field(default_factory=list)     # each layer's checkpoint function while the plan is on
+
+    # -- the memory_budget switch's record in the model's restore log
+    def state(self) -> dict:
+        """What :func:`fastsft_lab.state` reports while the plan is on (nothing once the layers' functions were
+        replaced: the model's own checkpointing)."""
+        if not_running((ref(), fn) for ref, fn in zip(self.layers, self.functions)):
+            return {}
+        manager = self.offloading.manager if self.offloading is not None else None
+        return {"offload_buffers": manager.buffers if manager is not None else self.buffers,
+                "prefetch": manager.prefetch if manager is not None else False,
+                "checkpointing": "plan", "memory_plan": self.describe()}
+
+    def close(self) -> None:
+        if self.offloading is not None:
+            self.offloading.close()
 
     def layer_func(self, index: int) -> Callable:
         return _PlannedLayer(self, index)
@@ -604,8 +622,6 @@ class MemoryPlanner:
 class _PlannedLayer:
     """A decoder layer's ``_gradient_checkpointing_func`` while a memory plan is on: the planner picks."""
 
-    fastsft_checkpointing = True      # marks fastsft_lab's layer functions (offload.switch.displaced_layers)
-
     def __init__(self, planner: MemoryPlanner, index: int):
         self._planner = weakref.ref(planner)
         self.index = index
@@ -622,14 +638,9 @@ class _PlannedLayer:
         return f"PlannedCheckpoint(layer={self.index}, {choice})"
 
 
-_PLANNERS: "weakref.WeakKeyDictionary[nn.Module, MemoryPlanner]" = weakref.WeakKeyDictionary()
-
-
 def layer_kinds(model: nn.Module) -> list[str]:
     """One name per decoder layer; layers of one name cost the same (the config's ``layer_types`` where it has
     one: full and sliding-window attention)."""
-    from ..models import base_model, decoder_layers
-
     layers = decoder_layers(model)
     types = getattr(base_model(model).config, "layer_types", None)
     return [f"{type(layer).__name__}:{types[i] if types and i < len(types) else ''}"
@@ -638,8 +649,6 @@ def layer_kinds(model: nn.Module) -> list[str]:
 
 def check_not_sharded(model: nn.Module) -> None:
     """One line refusing FSDP2: the plan measures and holds whole layers, FSDP2 shards them."""
-    from ..models import base_model, decoder_layers
-
     if is_fsdp2(base_model(model)) or any(is_fsdp2(m) for m in decoder_layers(model)):
         raise NotImplementedError("memory_budget under FSDP2 is not supported (the plan measures unsharded layers): "
                                   "use offload_buffers=2")
@@ -648,8 +657,6 @@ def check_not_sharded(model: nn.Module) -> None:
 def check_budget_floor(model: nn.Module, budget_bytes: int) -> None:
     """One line refusing a budget below what the model holds already (CUDA: allocated on its device; elsewhere its
     weights and buffers), before anything changes; what a step adds is checked at its first layer."""
-    from ..models import base_model, model_device
-
     device = resolve_device(model_device(model))
     key = base_model(model)
     held = (torch.cuda.memory_allocated(device) if device.type == "cuda"
@@ -657,6 +664,89 @@ def check_budget_floor(model: nn.Module, budget_bytes: int) -> None:
     if held > budget_bytes:
         raise BudgetError(f"memory_budget {_size(budget_bytes)} is below what the model already holds "
                           f"({_size(held)}): give more than {_size(held)}")
+
+
+PLAN = "memory_budget"
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    budget: int | None                 # bytes; None: the plan as it is (``max_tokens`` alone)
+    buffers: int = 2
+    prefetch: bool | None = None
+    max_tokens: int | None = None
+    optimizer_bytes_per_param: int = 8
+
+
+def _check_max_tokens(max_tokens) -> None:
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                   or max_tokens <= 0):
+        raise ValueError(f"max_tokens must be a positive int (the most tokens a batch can have), got {max_tokens!r}")
+
+
+def validate(model: nn.Module, value, options: dict) -> PlanSettings:
+    """The ``memory_budget`` switch's checks: one-line errors, nothing changed. ``max_tokens`` is its mode; it takes
+    over the offload switch, so ``offload_buffers`` / ``prefetch`` given with it are the staging buffers of the
+    layers it offloads."""
+    max_tokens = options.get("max_tokens")
+    _check_max_tokens(max_tokens)
+    if value is None:
+        if not is_on(model, PLAN):
+            raise ValueError("max_tokens needs memory_budget=<GiB> (now or in an earlier apply)")
+        return PlanSettings(None, max_tokens=max_tokens)
+    buffers = options.get("offload_buffers")
+    if isinstance(buffers, (str, bool)) and buffers in ("off", False):
+        raise ValueError("memory_budget offloads the layers it cannot keep: offload_buffers='off' contradicts it")
+    if buffers == 0 and not isinstance(buffers, bool):
+        raise ValueError("memory_budget chooses the checkpointing of each layer, offload_buffers=0 (standard "
+                         "checkpointing everywhere) contradicts it: leave offload_buffers out, or give 1 or 2 (the "
+                         "staging buffers of the layers the plan offloads)")
+    if buffers is not None and (isinstance(buffers, bool) or buffers not in (1, 2)):
+        raise ValueError(f"offload_buffers must be 0 (standard checkpointing), 1 or 2, got {buffers!r}")
+    buffers = buffers or 2
+    prefetch = check_buffers(buffers, options.get("prefetch"))
+    check_not_sharded(model)
+    check_checkpointing_layers(model)
+    budget = budget_bytes(value, resolve_device(model_device(model)))
+    check_budget_floor(model, budget)
+    return PlanSettings(budget, buffers, prefetch, max_tokens)
+
+
+def enable(model: nn.Module, settings: PlanSettings) -> None:
+    """Switch the plan for ``settings`` on (checked by :func:`validate`): every layer offloaded until step 2
+    measures and solves; a plan that is on is replaced (re-planned), or, with no budget, given ``max_tokens``."""
+    planner: MemoryPlanner | None = record(model, PLAN) if is_on(model, PLAN) else None
+    if settings.budget is None:
+        if planner is not None and settings.max_tokens is not None:
+            planner.max_tokens = settings.max_tokens
+        return
+    OFFLOAD.disable(model)          # the plan takes the checkpointing over: the offload switch's goes first
+    if planner is not None:
+        undo(model, PLAN)
+    elif getattr(base_model(model), "is_gradient_checkpointing", False):
+        import warnings
+
+        warnings.warn("memory_budget replaces the model's own gradient checkpointing with a per-layer plan; "
+                      "revert() (or memory_budget='off') gives it back", stacklevel=4)
+    key = base_model(model)
+    device = resolve_device(model_device(model))
+    layers = decoder_layers(model)
+    offloading = make_offloading(model, settings.buffers, settings.prefetch, device=device)
+    planner = MemoryPlanner(settings.budget, device, layer_kinds(model), list(offloading.functions),
+                            buffers=settings.buffers, max_tokens=settings.max_tokens,
+                            optimizer_bytes_per_param=settings.optimizer_bytes_per_param,
+                            layers=[weakref.ref(layer) for layer in layers], unified=unified_memory(device),
+                            fixed_cpu=_tensor_bytes(key.parameters()) + _tensor_bytes(key.buffers()),
+                            offloading=offloading)
+    planner.saved = SavedOffload(device, prefetch=offloading.manager.prefetch, streams=offloading.manager.ops)
+    planner.functions = [planner.layer_func(i) for i in range(len(layers))]
+    log = changes(model, PLAN)
+    log.record = planner
+    checkpoint_layers(log, model, planner.functions)
+    log.callback(offloading.manager.release_staging)
+
+
+BUDGET = Optimization(PLAN, validate, enable, off=("off", False), options=("max_tokens",), takes=("offload_buffers",))
 
 
 def enable_memory_plan(model: nn.Module, budget, *, buffers: int = 2, prefetch: bool | None = None,
@@ -669,39 +759,15 @@ def enable_memory_plan(model: nn.Module, budget, *, buffers: int = 2, prefetch: 
         max_tokens: the largest batch the collator emits: plan for it from step 2 on (default: the largest seen).
         optimizer_bytes_per_param: optimizer state per trainable parameter not allocated yet at step 1.
     """
-    from ..models import base_model, decoder_layers, model_device
-
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
-                                   or max_tokens <= 0):
-        raise ValueError(f"max_tokens must be a positive int (the most tokens a batch can have), got {max_tokens!r}")
-    key = base_model(model)
-    check_not_sharded(model)
-    device = resolve_device(model_device(model))
-    budget = budget_bytes(budget, device)
-    check_budget_floor(model, budget)                       # before anything is switched on
-    enable_offloaded_checkpointing(model, buffers, prefetch)
-    layers = decoder_layers(model)
-    unified = unified_memory(device)
-    planner = MemoryPlanner(budget, device, layer_kinds(model),
-                            [layer._gradient_checkpointing_func for layer in layers], buffers=buffers,
-                            max_tokens=max_tokens, optimizer_bytes_per_param=optimizer_bytes_per_param,
-                            layers=[weakref.ref(layer) for layer in layers], unified=unified,
-                            fixed_cpu=_tensor_bytes(key.parameters()) + _tensor_bytes(key.buffers()))
-    manager = getattr(layers[0]._gradient_checkpointing_func, "manager", None) if layers else None
-    planner.saved = SavedOffload(device, prefetch=manager.prefetch if manager is not None else buffers == 2,
-                                 streams=manager.ops if manager is not None else None)
-    for i, layer in enumerate(layers):
-        layer._gradient_checkpointing_func = planner.layer_func(i)
-    _PLANNERS[key] = planner
-    return planner
+    settings = validate(model, budget, {"offload_buffers": buffers, "prefetch": prefetch, "max_tokens": max_tokens})
+    enable(model, PlanSettings(settings.budget, settings.buffers, settings.prefetch, settings.max_tokens,
+                               optimizer_bytes_per_param))
+    return record(model, PLAN)
 
 
 def disable_memory_plan(model: nn.Module) -> None:
     """Switch the plan off: the layers as they were before :func:`enable_memory_plan` (a no-op when it is off)."""
-    from ..models import base_model
-
-    if _PLANNERS.pop(base_model(model), None) is not None:
-        disable_offloaded_checkpointing(model, release_pool=True)
+    BUDGET.disable(model)
 
 
 def set_plan(model: nn.Module, choices: Sequence[str]) -> Plan:
@@ -722,21 +788,10 @@ def set_plan(model: nn.Module, choices: Sequence[str]) -> Plan:
 
 def memory_planner(model: nn.Module) -> MemoryPlanner | None:
     """The model's planner, or None."""
-    from ..models import base_model
+    return record(model, PLAN) if is_on(model, PLAN) else None
 
-    return _PLANNERS.get(base_model(model))
-
-
-def _read_state(model: nn.Module) -> dict:
-    planner = memory_planner(model)
-    if planner is None or displaced_layers(model):
-        return {}
-    return {"checkpointing": "plan", "memory_plan": planner.describe()}
-
-
-register_state_reader("memory_plan", _read_state)
 
 __all__ = ["CHOICES", "saved_ops", "SAVED_OPS", "LayerCost", "Plan", "BudgetError", "MemoryPlanner", "measure_layer",
            "solve", "predict", "selective_checkpoint", "full_checkpoint", "parse_budget", "budget_bytes",
-           "allocator_ceiling", "check_budget_floor", "enable_memory_plan", "disable_memory_plan", "memory_planner",
+           "allocator_ceiling", "check_budget_floor", "BUDGET", "PlanSettings", "enable_memory_plan", "disable_memory_plan", "memory_planner",
            "set_plan", "layer_kinds"]

@@ -1,7 +1,11 @@
 """Offloaded checkpointing on a live model, on and off; transformers' own checkpointing with the same way back.
 
-Every switch returns :func:`fastsft_lab.model_state.state` of the model after the change. The model's
-:class:`~.manager.OffloadManager` (and its pinned pool) survives toggles: :func:`offload_manager` returns it.
+:data:`OFFLOAD` is the switch :func:`fastsft_lab.apply` turns (``offload_buffers=`` 0 / 1 / 2, ``prefetch=``): every
+change goes through the model's restore log (:mod:`fastsft_lab.restore`), and its record, :class:`Offloading`,
+holds the model's :class:`~.manager.OffloadManager` (pinned pool, staging buffers, copy stream) and each decoder
+layer's checkpoint function. The memory plan offloads through the same two calls (:func:`make_offloading`,
+:func:`checkpoint_layers`). The functions below are the finer controls; each returns
+:func:`fastsft_lab.model_state.state` of the model after the change.
 
 Use with TRL/Trainer: leave ``gradient_checkpointing=False`` in the trainer arguments (the trainer would call
 ``model.gradient_checkpointing_enable()`` and overwrite the layer functions) and switch offload on yourself. Where
@@ -11,81 +15,40 @@ something does overwrite them, :func:`state` reports the model's own checkpointi
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
-from ..models import base_model, decoder_layers, model_device
-from ..model_state import ModelState, register_state_reader, state
+from .._compat import CHECKPOINT_FUNCTION, REQUIRE_GRADS_HOOKS, checkpoint_function, require_grads_hooks
+from ..model_state import ModelState, state
+from ..restore import Changes, Optimization, changes, is_on, log_of, record, undo
+from ..structure import base_model, decoder_layers, model_device
 from .checkpoint import LayerCheckpointFunc
-from .manager import OffloadManager, _check_buffers
+from .manager import OffloadManager
+from .pool import PinnedPool
 from .streams import StreamOps
 
-_MISSING = object()
-_GC_ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func")
-_MANAGERS: "weakref.WeakKeyDictionary[nn.Module, OffloadManager]" = weakref.WeakKeyDictionary()
-_ORIGINALS: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
-_STANDARD: "weakref.WeakKeyDictionary[nn.Module, CheckpointingSwitch]" = weakref.WeakKeyDictionary()
-_WATCHES: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()   # forward pre-hook handles
-_WARNED_DISPLACED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+SWITCH = "offload_buffers"
 
 
-def displaced_layers(model: nn.Module) -> int:
-    """How many decoder layers no longer run fastsft_lab's checkpointing although it is on for ``model``: something
-    (``model.gradient_checkpointing_enable()``, which transformers' Trainer calls for ``gradient_checkpointing=True``;
-    ``gradient_checkpointing_disable()``) replaced their functions after ``apply``. 0 when it is off."""
-    originals = _ORIGINALS.get(base_model(model))
-    if originals is None:
-        return 0
-    return sum(1 for layer, _ in originals
-               if not (getattr(layer, "gradient_checkpointing", False)
-                       and getattr(layer._gradient_checkpointing_func, "fastsft_checkpointing", False)))
-
-
-def _watch(model: nn.Module) -> None:
-    """A forward pre-hook that warns once when the layers' checkpointing was replaced (removed by disable)."""
-    key = base_model(model)
-    if key in _WATCHES:
-        return
-
-    @torch.compiler.disable
-    def check(module, args, kwargs):
-        if key in _WARNED_DISPLACED or not torch.is_grad_enabled():
-            return None
-        n = displaced_layers(key)
-        if n:
-            _WARNED_DISPLACED.add(key)
-            warnings.warn(f"fastsft_lab: {n} of {len(_ORIGINALS.get(key, ()))} decoder layers no longer run its "
-                          "checkpointing (offload / memory plan): model.gradient_checkpointing_enable() or _disable() "
-                          "replaced it after apply() -- transformers' Trainer does so for gradient_checkpointing=True, "
-                          "TRL's default. Pass gradient_checkpointing=False to the trainer, or apply() again after it",
-                          stacklevel=2)
-        return None
-
-    _WATCHES[key] = key.register_forward_pre_hook(check, with_kwargs=True)
-
-
-def _unwatch(model: nn.Module) -> None:
-    key = base_model(model)
-    handle = _WATCHES.pop(key, None)
-    if handle is not None:
-        handle.remove()
-    _WARNED_DISPLACED.discard(key)
-
-
-def _snapshot(module: nn.Module) -> tuple:
-    return tuple(module.__dict__.get(name, _MISSING) for name in _GC_ATTRS)
-
-
-def _restore(module: nn.Module, saved: tuple) -> None:
-    for name, value in zip(_GC_ATTRS, saved):
-        if value is _MISSING:
-            module.__dict__.pop(name, None)
-        else:
-            module.__dict__[name] = value
+def check_buffers(buffers, prefetch) -> bool:
+    """One-line errors for a staging-buffer count and a prefetch setting; returns prefetch resolved (default: on
+    with two buffers)."""
+    if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers not in (1, 2):
+        raise ValueError(f"buffers must be 1 (single staging buffer) or 2 (double buffer), got {buffers!r}")
+    if prefetch is None:
+        prefetch = buffers == 2
+    if not isinstance(prefetch, bool):
+        raise ValueError(f"prefetch must be True, False or None (default: on with 2 buffers), got {prefetch!r}")
+    if prefetch and buffers == 1:
+        raise ValueError("prefetch needs buffers=2: with one staging buffer the next reload would overwrite "
+                         "the input of the layer being back-propagated")
+    return prefetch
 
 
 def resolve_device(dev: torch.device) -> torch.device:
@@ -120,6 +83,242 @@ def warn_unified_memory(dev: torch.device, buffers: int, *, integrated: bool | N
     return True
 
 
+# --- the layers' checkpoint functions, installed and watched: what the offload switch and the memory plan share ------
+def not_running(pairs: Iterable[tuple[nn.Module | None, Any]]) -> int:
+    """How many of the (layer, checkpoint function) pairs have a layer that does not run that function now."""
+    return sum(1 for layer, fn in pairs
+               if layer is None or not (getattr(layer, "gradient_checkpointing", False)
+                                        and checkpoint_function(layer) is fn))
+
+
+def displaced_layers(model: nn.Module) -> int:
+    """How many decoder layers no longer run the checkpoint function a switch of fastsft_lab set (offload, memory
+    plan): something (``model.gradient_checkpointing_enable()``, which transformers' Trainer calls for
+    ``gradient_checkpointing=True``; ``gradient_checkpointing_disable()``) replaced it after ``apply``. 0 when none
+    is set."""
+    log = log_of(model)
+    if log is None:
+        return 0
+    latest = {id(e.target): (e.target, e.value) for e in log.entries
+              if e.kind == "set" and e.name == CHECKPOINT_FUNCTION}
+    return not_running(latest.values())
+
+
+def _watch(log: Changes, model: nn.Module, layers: int) -> None:
+    """A forward pre-hook that warns once when the layers' checkpointing was replaced (removed with the switch)."""
+    key = base_model(model)
+    warned: list[bool] = []
+
+    @torch.compiler.disable
+    def check(module, args, kwargs):
+        if warned or not torch.is_grad_enabled():
+            return None
+        n = displaced_layers(key)
+        if n:
+            warned.append(True)
+            warnings.warn(f"fastsft_lab: {n} of {layers} decoder layers no longer run its "
+                          "checkpointing (offload / memory plan): model.gradient_checkpointing_enable() or _disable() "
+                          "replaced it after apply() -- transformers' Trainer does so for gradient_checkpointing=True, "
+                          "TRL's default. Pass gradient_checkpointing=False to the trainer, or apply() again after it",
+                          stacklevel=2)
+        return None
+
+    log.hook(key.register_forward_pre_hook(check, with_kwargs=True))
+
+
+def checkpoint_layers(log: Changes, model: nn.Module, functions: list[Callable]) -> None:
+    """Give decoder layer ``i`` the checkpoint function ``functions[i]`` (checkpointing on), through ``log``, and
+    watch for a framework call replacing them."""
+    layers = decoder_layers(model)
+    for layer, fn in zip(layers, functions):
+        log.set(layer, "gradient_checkpointing", True)
+        log.set(layer, CHECKPOINT_FUNCTION, fn)
+    _watch(log, model, len(layers))
+
+
+def check_checkpointing_layers(model: nn.Module) -> None:
+    """One line refusing a model whose decoder layers are not transformers ``GradientCheckpointingLayer`` s."""
+    for i, layer in enumerate(decoder_layers(model)):
+        if not hasattr(layer, "gradient_checkpointing"):
+            raise ValueError(f"decoder layer {i} ({type(layer).__name__}) is not a transformers "
+                             "GradientCheckpointingLayer: offloaded checkpointing plugs in through that class")
+
+
+@dataclass(eq=False)
+class Offloading:
+    """Offloaded checkpointing of one model: its manager and each decoder layer's checkpoint function (the
+    offload switch's record; the memory plan's offloaded layers use one too)."""
+
+    manager: OffloadManager
+    functions: list[LayerCheckpointFunc]
+    layers: list = field(default_factory=list)          # weakrefs to the decoder layers
+    owns_pool: bool = True                              # False: the caller's pool, kept when this one goes
+
+    def displaced(self) -> int:
+        return not_running((ref(), fn) for ref, fn in zip(self.layers, self.functions))
+
+    def state(self) -> dict:
+        if self.displaced():
+            return {}          # replaced since: the model's own checkpointing (model_state.checkpointing_of)
+        return {"offload_buffers": self.manager.buffers, "prefetch": self.manager.prefetch,
+                "checkpointing": "offload"}
+
+    def close(self) -> None:
+        """Let the manager's memory go: the staging buffers, and the pinned pool when no input waits for a backward
+        (inputs still pending keep this manager alive through their autograd context; the pool goes with them)."""
+        self.manager.release_staging()
+        if self.owns_pool and self.manager.pending == 0:
+            self.manager.pool.clear()
+
+
+def make_offloading(model: nn.Module, buffers: int = 2, prefetch: bool = True, *,
+                    preserve_rng_state: bool = True, forward_grad: bool = True, streams: StreamOps | None = None,
+                    device: torch.device | str | None = None, pool: PinnedPool | None = None,
+                    reuse: Offloading | None = None) -> Offloading:
+    """A manager and one offloaded checkpoint function per decoder layer of ``model``, changing nothing on it (the
+    arguments as :func:`enable_offloaded_checkpointing` takes them, checked by :func:`check_buffers`). ``pool``: a pinned pool of the
+    caller's (kept by the caller across toggles); ``reuse``: an earlier offloading of the model, whose manager (and
+    pinned pool) carries on where the device is the same."""
+    layers = decoder_layers(model)
+    dev = resolve_device(torch.device(device) if device is not None else model_device(model))
+    warn_unified_memory(dev, buffers)
+    given = pool
+    manager = reuse.manager if reuse is not None else None
+    if pool is not None and manager is not None and manager.pool is not pool:
+        manager = None
+    if manager is None or manager.device != dev or streams is not None:
+        # one manager (pinned pool, staging buffers, copy stream) per model and device: a model moved to another
+        # GPU of the process (a rank's own) gets its own, never the first device's
+        if pool is None and manager is not None and manager.device == dev:
+            pool = manager.pool
+        if manager is not None:
+            manager.release_staging()
+        manager = OffloadManager(dev, buffers, prefetch, preserve_rng_state=preserve_rng_state,
+                                 forward_grad=forward_grad, streams=streams, pool=pool)
+    else:
+        manager.configure(buffers, prefetch)
+        manager.preserve_rng_state = preserve_rng_state
+        manager.forward_grad = forward_grad
+    owns_pool = given is None and (reuse is None or manager.pool is not reuse.manager.pool or reuse.owns_pool)
+    return Offloading(manager, [LayerCheckpointFunc(manager, i, layer) for i, layer in enumerate(layers)],
+                      [weakref.ref(layer) for layer in layers], owns_pool)
+
+
+# --- transformers' own checkpointing, through the same log ----------------------------------------------------------
+@dataclass(eq=False)
+class StandardCheckpointing:
+    """transformers' own checkpointing, switched on by fastsft_lab (``offload_buffers=0``): the model reports it."""
+
+    def state(self) -> dict:
+        return {}
+
+
+def _transformers_checkpointing(log: Changes, model: nn.Module, *, offload: bool = False) -> None:
+    """transformers' non-reentrant ``gradient_checkpointing_enable()``, every field and hook it writes kept in
+    ``log`` (``offload=True``: its ``save_on_cpu`` inside each layer's checkpoint)."""
+    inner = base_model(model)
+    for m in inner.modules():
+        if hasattr(m, "gradient_checkpointing"):
+            log.keep(m, "gradient_checkpointing", CHECKPOINT_FUNCTION)
+    log.keep(inner, *REQUIRE_GRADS_HOOKS)
+    before = {id(h) for h in require_grads_hooks(inner)}
+    kwargs: dict[str, Any] = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    if offload:
+        kwargs["offload"] = True
+    inner.gradient_checkpointing_enable(**kwargs)
+    # the embedding hook that makes the first layer's input require grad (reentrant checkpointing under PEFT)
+    for h in require_grads_hooks(inner):
+        if id(h) not in before:
+            log.hook(h)
+
+
+class CheckpointingSwitch:
+    """Turn transformers' own checkpointing on and off with an exact restore (layers and input-grad hooks), through
+    the model's restore log (a switch of its own: ``revert`` takes it back too).
+
+    ``offload=True`` uses transformers' ``gradient_checkpointing_enable(offload=True)`` (``save_on_cpu`` inside each
+    layer's checkpoint: a peer in the benchmarks).
+    """
+
+    def __init__(self, model: nn.Module, offload: bool = False):
+        self.model = model
+        self.offload = offload
+        self.switch = "transformers_checkpointing" + ("_offload" if offload else "")
+
+    @property
+    def enabled(self) -> bool:
+        return is_on(self.model, self.switch)
+
+    def enable(self, model: nn.Module | None = None) -> None:
+        if not self.enabled:
+            _transformers_checkpointing(changes(self.model, self.switch), self.model, offload=self.offload)
+
+    def disable(self, model: nn.Module | None = None) -> None:
+        undo(self.model, self.switch)
+
+
+# --- the switch -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OffloadSettings:
+    """The offload switch's settings, as ``apply(offload_buffers=...)`` takes them: a count of staging buffers, or
+    this for the seams a benchmark needs (the arguments of :func:`enable_offloaded_checkpointing`; ``pool``: a pinned
+    pool the caller keeps across toggles)."""
+
+    buffers: int                   # 0 = transformers' standard checkpointing
+    prefetch: bool | None = None
+    preserve_rng_state: bool = True
+    forward_grad: bool = True
+    streams: StreamOps | None = None
+    device: torch.device | str | None = None
+    pool: PinnedPool | None = None
+
+
+def validate(model: nn.Module, value, options: dict) -> OffloadSettings:
+    """The ``offload_buffers`` switch's checks (``prefetch`` is its mode): one-line errors, nothing changed."""
+    prefetch = options.get("prefetch")
+    if value is None:
+        raise ValueError("prefetch needs offload_buffers=2")
+    if isinstance(value, OffloadSettings):
+        check_checkpointing_layers(model)
+        prefetch = value.prefetch if prefetch is None else prefetch
+        return dataclasses.replace(value, prefetch=check_buffers(value.buffers, prefetch))
+    if isinstance(value, bool) or not isinstance(value, int) or value not in (0, 1, 2):
+        raise ValueError(f"offload_buffers must be 0 (standard checkpointing), 1 or 2, got {value!r}")
+    if value == 0:
+        if prefetch:
+            raise ValueError("prefetch needs offload_buffers=2")
+        return OffloadSettings(0)
+    check_checkpointing_layers(model)
+    return OffloadSettings(value, check_buffers(value, prefetch))
+
+
+def enable(model: nn.Module, settings: OffloadSettings) -> None:
+    """Switch checkpointing to ``settings`` (checked by :func:`validate`): offloaded, or transformers' own."""
+    current = record(model, SWITCH)
+    if settings.buffers == 0:
+        if isinstance(current, StandardCheckpointing) and is_on(model, SWITCH):
+            return
+        undo(model, SWITCH)
+        if getattr(base_model(model), "is_gradient_checkpointing", False):
+            return      # the user's own checkpointing: leave it (and its way back) to them
+        log = changes(model, SWITCH)
+        _transformers_checkpointing(log, model)
+        log.record = StandardCheckpointing()
+        return
+    reuse = current if isinstance(current, Offloading) else None
+    undo(model, SWITCH, keep_record=True)          # the layers as they were; the manager carries on
+    offloading = make_offloading(model, settings.buffers, settings.prefetch,
+                                 preserve_rng_state=settings.preserve_rng_state, forward_grad=settings.forward_grad,
+                                 streams=settings.streams, device=settings.device, pool=settings.pool, reuse=reuse)
+    log = changes(model, SWITCH)
+    log.record = offloading
+    checkpoint_layers(log, model, offloading.functions)
+    log.callback(offloading.manager.release_staging)
+
+
+OFFLOAD = Optimization(SWITCH, validate, enable, off=("off", False), options=("prefetch",))
+
+
 def enable_offloaded_checkpointing(model: nn.Module, buffers: int = 2, prefetch: bool | None = None, *,
                                    preserve_rng_state: bool = True, forward_grad: bool = True,
                                    streams: StreamOps | None = None,
@@ -145,154 +344,54 @@ def enable_offloaded_checkpointing(model: nn.Module, buffers: int = 2, prefetch:
         :func:`disable_offloaded_checkpointing` restores what was there before the first call (standard
         checkpointing or none).
     """
-    prefetch = _check_buffers(buffers, prefetch)
-    key = base_model(model)
-    layers = decoder_layers(model)
-    for i, layer in enumerate(layers):
-        if not hasattr(layer, "gradient_checkpointing"):
-            raise ValueError(f"decoder layer {i} ({type(layer).__name__}) is not a transformers "
-                             "GradientCheckpointingLayer: offloaded checkpointing plugs in through that class")
-    dev = resolve_device(torch.device(device) if device is not None else model_device(model))
-    warn_unified_memory(dev, buffers)
-    manager = _MANAGERS.get(key)
-    if manager is None or manager.device != dev or streams is not None:
-        # one manager (pinned pool, staging buffers, copy stream) per model and device: a model moved to another
-        # GPU of the process (a rank's own) gets its own, never the first device's
-        pool = manager.pool if manager is not None and manager.device == dev else None
-        if manager is not None:
-            manager.release_staging()
-        manager = OffloadManager(dev, buffers, prefetch, preserve_rng_state=preserve_rng_state,
-                                 forward_grad=forward_grad, streams=streams, pool=pool)
-        _MANAGERS[key] = manager
-    else:
-        manager.configure(buffers, prefetch)
-        manager.preserve_rng_state = preserve_rng_state
-        manager.forward_grad = forward_grad
-    if key not in _ORIGINALS:
-        _ORIGINALS[key] = [(layer, _snapshot(layer)) for layer in layers]
-    for i, layer in enumerate(layers):
-        layer.gradient_checkpointing = True
-        layer._gradient_checkpointing_func = LayerCheckpointFunc(manager, i, layer)
-    _WARNED_DISPLACED.discard(key)
-    _watch(model)
+    prefetch = check_buffers(buffers, prefetch)
+    check_checkpointing_layers(model)
+    enable(model, OffloadSettings(buffers, prefetch, preserve_rng_state, forward_grad, streams, device))
     return state(model)
 
 
 def disable_offloaded_checkpointing(model: nn.Module, *, release_pool: bool = False) -> ModelState:
     """Restore each decoder layer's checkpointing attributes exactly as they were before enabling.
 
-    Frees the GPU staging buffers; the pinned pool is kept for the next enable unless ``release_pool``.
-    A no-op on a model that is not enabled.
+    Frees the GPU staging buffers; the manager and its pinned pool are kept for the next enable unless
+    ``release_pool``. A no-op on a model that is not offloaded.
     """
-    key = base_model(model)
-    _unwatch(model)
-    originals = _ORIGINALS.pop(key, None)
-    if originals is not None:
-        for layer, saved in originals:
-            _restore(layer, saved)
-    manager = _MANAGERS.get(key)
-    if manager is not None:
-        manager.release_staging()
-        if release_pool:
-            # Inputs still pending (a graph not yet back-propagated) keep this manager alive through their
-            # autograd context; the pool memory goes when they do.
-            if manager.pending == 0:
-                manager.pool.clear()
-            del _MANAGERS[key]
+    if isinstance(record(model, SWITCH), Offloading):
+        undo(model, SWITCH, keep_record=not release_pool)
     return state(model)
 
 
 def is_offloaded(model: nn.Module) -> bool:
     """Whether offloaded checkpointing is enabled on ``model``."""
-    return base_model(model) in _ORIGINALS
+    return isinstance(record(model, SWITCH), Offloading) and is_on(model, SWITCH)
 
 
 def offload_manager(model: nn.Module) -> OffloadManager | None:
-    """The model's manager (kept across disable/enable), or None."""
-    return _MANAGERS.get(base_model(model))
-
-
-# --- transformers' own checkpointing, with the same exact way back ----------------------------------------------------
-class CheckpointingSwitch:
-    """Turn transformers' own checkpointing on and off with an exact restore (layers and input-grad hooks).
-
-    ``offload=True`` uses transformers' ``gradient_checkpointing_enable(offload=True)`` (``save_on_cpu`` inside each
-    layer's checkpoint: a peer in the benchmarks).
-    """
-
-    def __init__(self, model: nn.Module, offload: bool = False):
-        self.model = model
-        self.offload = offload
-        self._saved: list | None = None
-        self._hooks_before: Any = _MISSING
-        self._hook_before: Any = _MISSING
-
-    @property
-    def enabled(self) -> bool:
-        return self._saved is not None
-
-    def enable(self, model: nn.Module | None = None) -> None:
-        if self._saved is not None:
-            return
-        inner = base_model(self.model)
-        self._saved = [(m, _snapshot(m)) for m in inner.modules() if hasattr(m, "gradient_checkpointing")]
-        self._hooks_before = inner.__dict__.get("_require_grads_hooks", _MISSING)
-        self._hook_before = inner.__dict__.get("_require_grads_hook", _MISSING)
-        kwargs: dict[str, Any] = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
-        if self.offload:
-            kwargs["offload"] = True
-        inner.gradient_checkpointing_enable(**kwargs)
-
-    def disable(self, model: nn.Module | None = None) -> None:
-        if self._saved is None:
-            return
-        inner = base_model(self.model)
-        for m, saved in self._saved:
-            _restore(m, saved)
-        # gradient_checkpointing_enable() registers an embedding hook that makes the first layer input require
-        # grad (for reentrant checkpointing under PEFT); remove it unless it was there before.
-        hooks = inner.__dict__.get("_require_grads_hooks", _MISSING)
-        if hooks is not self._hooks_before and hooks is not _MISSING:
-            for h in hooks:
-                h.remove()
-        for name, before in (("_require_grads_hooks", self._hooks_before), ("_require_grads_hook", self._hook_before)):
-            if before is _MISSING:
-                inner.__dict__.pop(name, None)
-            else:
-                inner.__dict__[name] = before
-        self._saved = None
+    """The manager of the model's offloaded layers -- the offload switch's (kept across its disable and enable) or
+    the memory plan's -- or None."""
+    log = log_of(model)
+    for rec in (log.records.values() if log is not None else ()):
+        offloading = rec if isinstance(rec, Offloading) else getattr(rec, "offloading", None)
+        if isinstance(offloading, Offloading):
+            return offloading.manager
+    return None
 
 
 def enable_standard_checkpointing(model: nn.Module) -> ModelState:
-    """transformers' non-reentrant gradient checkpointing on every decoder layer (a no-op when it is on already);
-    :func:`disable_standard_checkpointing` restores the model exactly as it was before."""
-    key = base_model(model)
-    if key not in _STANDARD:
-        if getattr(key, "is_gradient_checkpointing", False):
-            return state(model)      # the user's own checkpointing: leave it (and its way back) to them
-        switch = CheckpointingSwitch(model)
-        switch.enable()
-        _STANDARD[key] = switch
+    """transformers' non-reentrant gradient checkpointing on every decoder layer (``offload_buffers=0``; a no-op
+    when it is on already); :func:`disable_standard_checkpointing` restores the model exactly as it was before."""
+    enable(model, OffloadSettings(0))
     return state(model)
 
 
 def disable_standard_checkpointing(model: nn.Module) -> ModelState:
     """Undo :func:`enable_standard_checkpointing` (a no-op when it did not switch anything on)."""
-    switch = _STANDARD.pop(base_model(model), None)
-    if switch is not None:
-        switch.disable()
+    if isinstance(record(model, SWITCH), StandardCheckpointing):
+        undo(model, SWITCH)
     return state(model)
 
 
-def _read_state(model: nn.Module) -> dict:
-    manager = offload_manager(model)
-    if not is_offloaded(model) or manager is None or displaced_layers(model):
-        return {}          # off, or replaced since: the model's own checkpointing (model_state.checkpointing_of)
-    return {"offload_buffers": manager.buffers, "prefetch": manager.prefetch, "checkpointing": "offload"}
-
-
-register_state_reader("offload", _read_state)
-
-__all__ = ["displaced_layers", "enable_offloaded_checkpointing", "disable_offloaded_checkpointing", "is_offloaded",
-           "offload_manager",
-           "CheckpointingSwitch", "enable_standard_checkpointing", "disable_standard_checkpointing"]
+__all__ = ["OFFLOAD", "Offloading", "OffloadSettings", "StandardCheckpointing", "check_buffers", "displaced_layers",
+           "enable_offloaded_checkpointing", "disable_offloaded_checkpointing", "is_offloaded", "offload_manager",
+           "make_offloading", "checkpoint_layers", "not_running", "CheckpointingSwitch", "enable_standard_checkpointing",
+           "disable_standard_checkpointing", "resolve_device", "unified_memory", "warn_unified_memory"]

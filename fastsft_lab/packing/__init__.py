@@ -34,8 +34,8 @@ from .collator import PackedCollator, packed_inputs
 from .metadata import BuildLog, DeviceTensors, PackedMetadata, normalize_row_lengths
 from .registry import (Backend, BackendStatus, MaskSpec, attn_implementation_name, available_backends,
                        backend_names, get_backend, prebuild_metadata, prepare_metadata, register_backend)
-from .switch import (check_packed_backend, disable_packed_attention, enable_packed_attention, packed_attention_state,
-                     set_packed_metadata_cache)
+from .switch import (PACKED, PackedAttention, check_packed_backend, disable_packed_attention, enable_packed_attention,
+                     packed_attention_state, set_packed_metadata_cache)
 
 BACKENDS = backend_names()
 ATTN_NAMES = {name: get_backend(name).attn_name for name in BACKENDS}
@@ -45,5 +45,5 @@ __all__ = [
     "BackendStatus", "MaskSpec", "BACKENDS", "ATTN_NAMES", "BuildLog", "register_backend", "get_backend",
     "backend_names", "available_backends", "attn_implementation_name", "prepare_metadata", "prebuild_metadata",
     "enable_packed_attention", "disable_packed_attention", "set_packed_metadata_cache", "packed_attention_state",
-    "check_packed_backend",
+    "check_packed_backend", "PACKED", "PackedAttention",
 ]

@@ -219,6 +219,16 @@ def check_attention_kwargs(module: nn.Module, kwargs: dict) -> None:
                                   "(known and ignored: " + ", ".join(sorted(IGNORED_KWARGS)) + ")")
 
 
+class _RebuildInEveryLayer:
+    """The ``packed_metadata`` of a naive step: each layer rebuilds its metadata from ``position_ids``, by design."""
+
+    def __repr__(self) -> str:
+        return "REBUILD_IN_EVERY_LAYER"
+
+
+REBUILD_IN_EVERY_LAYER = _RebuildInEveryLayer()
+
+
 def packed_attention(name: str, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                      sliding_window: int | None = None, s_aux: torch.Tensor | None = None,
@@ -233,9 +243,10 @@ def packed_attention(name: str, module: nn.Module, query: torch.Tensor, key: tor
         raise RuntimeError(f"packed attention is for training and prefill: got {t} queries but {key.shape[2]} keys "
                            "(a KV cache that bypassed enable_packed_attention's routing). Call "
                            "disable_packed_attention(model) for this call.")
-    state = getattr(module, "_fastsft_packed_state", None)
-    cache = state.cache if state is not None else True
-    if cache and packed_metadata is None:
+    cache = packed_metadata is not REBUILD_IN_EVERY_LAYER     # the switch's naive mode marks the step so
+    if packed_metadata is REBUILD_IN_EVERY_LAYER:
+        packed_metadata = None
+    elif packed_metadata is None:
         # Only without enable_packed_attention (the name set by hand): nothing built the metadata for this step.
         _warn_once("no-meta", "fastsft packed attention got no packed_metadata: rebuilding it in every layer (the "
                               "naive path). Call enable_packed_attention(model) or pass packed_metadata=.")
@@ -253,6 +264,6 @@ def packed_attention(name: str, module: nn.Module, query: torch.Tensor, key: tor
                           training=module.training)
 
 
-__all__ = ["Backend", "BackendStatus", "IGNORED_KWARGS", "check_attention_kwargs", "MaskSpec", "register_backend", "get_backend", "backend_names",
+__all__ = ["Backend", "BackendStatus", "IGNORED_KWARGS", "REBUILD_IN_EVERY_LAYER", "check_attention_kwargs", "MaskSpec", "register_backend", "get_backend", "backend_names",
            "attn_implementation_name", "available_backends", "prepare_metadata", "prebuild_metadata",
            "prebuild_backends", "packed_attention"]

@@ -5,9 +5,10 @@
   collator's, or one recovered from ``position_ids`` with a single sync);
 * :func:`set_packed_metadata_cache` toggles cached (0 syncs in the layers) and naive (every layer rebuilds its
   metadata from ``position_ids``, with the syncs per-layer code pays);
-* :func:`disable_packed_attention` restores the exact original ``config._attn_implementation``.
+* :func:`disable_packed_attention` takes back what the switch changed (the restore log: :mod:`fastsft_lab.restore`).
 
-Every switch returns :func:`fastsft_lab.model_state.state` of the model after the change.
+:data:`PACKED` is the switch :func:`fastsft_lab.apply` turns (``packed_attention=``, ``packed_metadata_cache=``);
+the functions here are its finer controls. Every switch returns :func:`fastsft_lab.model_state.state` of the model after the change.
 """
 
 from __future__ import annotations
@@ -20,21 +21,30 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._compat import assert_async
-from ..models import base_model, decoder_layers, model_device
-from ..model_state import ModelState, register_state_reader, state
+from .._compat import (ATTN_IMPLEMENTATION, assert_async, attn_implementation, set_attn_implementation_of)
+from ..model_state import ModelState, state
+from ..restore import Optimization, changes, is_on, record
+from ..structure import base_model, decoder_layers, model_device
 from .metadata import PackedMetadata
-from .registry import available_backends, get_backend
+from .registry import REBUILD_IN_EVERY_LAYER, available_backends, get_backend
+
+SWITCH = "packed_attention"
 
 
 @dataclass
-class _PackedState:
+class PackedAttention:
+    """Packed attention's settings -- the backend, the metadata mode (``cache``), the batch checks -- as
+    ``apply(packed_attention=...)`` takes them (a backend name, or this for the batch checks' ablation); on the
+    model, its record in the restore log, with the attention implementation the model had before
+    (``original_attn``, what :func:`original_attention` runs)."""
+
     backend: str
-    cache: bool
-    original_attn: Any
+    cache: bool = True
     check_batch: bool = True
-    hooks: tuple = ()
-    generate: Any = None          # the instance's generate wrapper (removed on disable)
+    original_attn: Any = None
+
+    def state(self) -> dict:
+        return {"packed": self.backend, "packed_cache": self.cache}
 
 
 def _inner_model(model: nn.Module) -> nn.Module:
@@ -47,16 +57,16 @@ def original_attention(model: nn.Module):
     """Run the model's own attention implementation (the one it had before packed attention) inside the block:
     generation with a KV cache, or any call that is not a packed training or prefill step."""
     base = base_model(model)
-    st: _PackedState | None = getattr(base, "_fastsft_packed_state", None)
-    if st is None or base.config._attn_implementation == st.original_attn:
+    st: PackedAttention | None = record(model, SWITCH)
+    ours = attn_implementation(base.config)
+    if st is None or ours == st.original_attn:
         yield
         return
-    ours = base.config._attn_implementation
-    base.config._attn_implementation = st.original_attn
+    set_attn_implementation_of(base.config, st.original_attn)
     try:
         yield
     finally:
-        base.config._attn_implementation = ours
+        set_attn_implementation_of(base.config, ours)
 
 
 def check_position_ids(position_ids: torch.Tensor) -> None:
@@ -93,17 +103,19 @@ def check_seq_idx(seq_idx: torch.Tensor, position_ids: torch.Tensor) -> None:
                         "where position_ids restart at 0")
 
 
-def _inject_metadata(st: _PackedState, base: nn.Module):
-    """Forward pre-hook on the decoder stack: one PackedMetadata per step (cached path), checked against the batch;
-    calls with a KV cache run the model's own attention instead."""
+def _inject_metadata(st: PackedAttention, base: nn.Module):
+    """Forward pre-hook on the decoder stack: one PackedMetadata per step (cached path), checked against the batch,
+    or the naive path's mark (every layer rebuilds from ``position_ids``); calls with a KV cache run the model's own
+    attention instead (put back by the post-hook)."""
+    decoding: list[str] = []        # our implementation's name while a decoding call runs the model's own
 
     def pre_hook(module, args, kwargs):
-        if base.config._attn_implementation != get_backend(st.backend).attn_name:
+        if attn_implementation(base.config) != get_backend(st.backend).attn_name:
             return None    # inside original_attention() (generate): the model's own attention and masks
         if kwargs.get("past_key_values") is not None:
             # a decoding call: the model's own attention and masks for this forward (restored by the post-hook)
-            base.config._attn_implementation = st.original_attn
-            module._fastsft_restore_attn = get_backend(st.backend).attn_name
+            decoding.append(attn_implementation(base.config))
+            set_attn_implementation_of(base.config, st.original_attn)
             return None
         ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
@@ -114,7 +126,8 @@ def _inject_metadata(st: _PackedState, base: nn.Module):
             if kwargs.get("seq_idx") is not None:
                 check_seq_idx(kwargs["seq_idx"], pos.expand(*shape))
         if not st.cache:
-            return None  # naive: each layer rebuilds from position_ids, by design
+            kwargs["packed_metadata"] = REBUILD_IN_EVERY_LAYER     # naive: each layer rebuilds, by design
+            return args, kwargs
         meta = kwargs.get("packed_metadata")
         if meta is not None:
             if not isinstance(meta, PackedMetadata):
@@ -137,9 +150,8 @@ def _inject_metadata(st: _PackedState, base: nn.Module):
         return args, kwargs
 
     def post_hook(module, args, kwargs, output):
-        name = module.__dict__.pop("_fastsft_restore_attn", None)
-        if name is not None:
-            base.config._attn_implementation = name
+        if decoding:
+            set_attn_implementation_of(base.config, decoding.pop())
         return None
 
     return pre_hook, post_hook
@@ -168,10 +180,9 @@ def _router_loss_mask(base: nn.Module):
     return hook
 
 
-def _wrap_generate(model: nn.Module):
+def _generate_through_original_attention(base: nn.Module):
     """An instance-level ``generate`` that runs with the model's own attention (KV cache, padding masks), so that
-    training and sampling alternate on one model without switching anything; removed by disable."""
-    base = base_model(model)
+    training and sampling alternate on one model without switching anything."""
     original = base.generate
 
     @functools.wraps(original)
@@ -179,8 +190,6 @@ def _wrap_generate(model: nn.Module):
         with original_attention(base):
             return original(*args, **kwargs)
 
-    setattr(generate, "_fastsft_generate", True)   # marks our wrapper: disable removes only this one
-    base.generate = generate
     return generate
 
 
@@ -221,6 +230,52 @@ def check_packed_backend(model: nn.Module, backend: str) -> None:
         raise RuntimeError(f"packed-attention backend {backend!r} is not available here: {status.reason}")
 
 
+def validate(model: nn.Module, value: str | None, options: dict) -> PackedAttention:
+    """The ``packed_attention`` switch's checks (``packed_metadata_cache`` is its mode): one-line errors, nothing
+    changed; returns the settings :func:`enable` switches on."""
+    cache = options.get("packed_metadata_cache")
+    if cache is not None and not isinstance(cache, bool):
+        raise ValueError(f"packed_metadata_cache must be True or False, got {cache!r}")
+    st: PackedAttention | None = record(model, SWITCH) if is_on(model, SWITCH) else None
+    if value is None:
+        if st is None:
+            raise ValueError("packed_metadata_cache needs packed_attention=<backend> (now or in an earlier apply)")
+        return PackedAttention(st.backend, st.cache if cache is None else cache, st.check_batch)
+    if isinstance(value, PackedAttention):
+        settings = PackedAttention(value.backend, value.cache, bool(value.check_batch))
+    else:
+        settings = PackedAttention(value)
+    if not isinstance(settings.cache, bool):
+        raise ValueError(f"cache must be True or False, got {settings.cache!r}")
+    check_packed_backend(model, settings.backend)
+    return settings if cache is None else PackedAttention(settings.backend, cache, settings.check_batch)
+
+
+def enable(model: nn.Module, settings: PackedAttention) -> None:
+    """Switch packed attention on with ``settings`` (checked by :func:`validate`), or into its backend and mode."""
+    log = changes(model, SWITCH)
+    base = base_model(model)
+    st: PackedAttention | None = log.record
+    if st is None:
+        st = log.record = PackedAttention(settings.backend, settings.cache, settings.check_batch,
+                                          attn_implementation(base.config))
+        pre, post = _inject_metadata(st, base)
+        inner = _inner_model(model)
+        log.hook(inner.register_forward_pre_hook(pre, with_kwargs=True))
+        log.hook(inner.register_forward_hook(post, with_kwargs=True, always_call=True))
+        if hasattr(base.config, "router_aux_loss_coef"):
+            log.hook(base.register_forward_pre_hook(_router_loss_mask(base), with_kwargs=True))
+        log.set(base, "generate", _generate_through_original_attention(base))
+    st.backend, st.cache, st.check_batch = settings.backend, settings.cache, settings.check_batch
+    name = get_backend(st.backend).attn_name
+    if attn_implementation(base.config) != name:
+        log.keep(base.config, ATTN_IMPLEMENTATION)     # put back through the setter: set_attn_implementation()
+        base.set_attn_implementation(name)              # would "adjust" some values (sdpa -> eager on GPT-OSS)
+
+
+PACKED = Optimization("packed_attention", validate, enable, off=("off", False), options=("packed_metadata_cache",))
+
+
 def enable_packed_attention(model: nn.Module, backend: str = "sdpa", *, cache: bool = True,
                             check_available: bool = True, check_batch: bool = True) -> ModelState:
     """Run ``model``'s attention over packed rows with ``backend``; ``cache`` picks the cached or the naive path.
@@ -246,82 +301,41 @@ def enable_packed_attention(model: nn.Module, backend: str = "sdpa", *, cache: b
         The model's :class:`~fastsft_lab.model_state.ModelState`. Calling it again switches the backend;
         :func:`disable_packed_attention` restores the original.
     """
-    name = get_backend(backend).attn_name
+    get_backend(backend)
     if not isinstance(cache, bool):
         raise ValueError(f"cache must be True or False, got {cache!r}")
     if check_available:
         check_packed_backend(model, backend)
     else:
         check_packed_model(model)
-    base = base_model(model)
-    st: _PackedState | None = getattr(base, "_fastsft_packed_state", None)
-    if st is None:
-        st = _PackedState(backend=backend, cache=cache, original_attn=base.config._attn_implementation)
-        pre, post = _inject_metadata(st, base)
-        inner = _inner_model(model)
-        st.hooks = (inner.register_forward_pre_hook(pre, with_kwargs=True),
-                    inner.register_forward_hook(post, with_kwargs=True, always_call=True))
-        if hasattr(base.config, "router_aux_loss_coef"):
-            st.hooks += (base.register_forward_pre_hook(_router_loss_mask(base), with_kwargs=True),)
-        st.generate = _wrap_generate(model)
-        base._fastsft_packed_state = st
-        for layer in decoder_layers(model):
-            attn = getattr(layer, "self_attn", None)
-            if attn is not None:
-                attn._fastsft_packed_state = st
-    st.backend, st.cache, st.check_batch = backend, cache, bool(check_batch)
-    if base.config._attn_implementation != name:
-        base.set_attn_implementation(name)
+    enable(model, PackedAttention(backend, cache, bool(check_batch)))
     return state(model)
 
 
 def set_packed_metadata_cache(model: nn.Module, enabled: bool) -> ModelState:
     """Toggle ``packed_metadata_cache`` on a live model: True = cached path, False = naive per-layer rebuild."""
-    st = getattr(base_model(model), "_fastsft_packed_state", None)
-    if st is None:
+    if not is_on(model, SWITCH):
         raise RuntimeError("packed attention is not enabled on this model: call enable_packed_attention() first")
-    if not isinstance(enabled, bool):
-        raise ValueError(f"packed_metadata_cache must be True or False, got {enabled!r}")
-    st.cache = enabled
+    enable(model, validate(model, None, {"packed_metadata_cache": enabled}))
     return state(model)
 
 
 def disable_packed_attention(model: nn.Module) -> ModelState:
     """Undo :func:`enable_packed_attention`: the exact original ``config._attn_implementation``, no hook left."""
-    base = base_model(model)
-    st: _PackedState | None = getattr(base, "_fastsft_packed_state", None)
-    if st is not None:
-        # The setter, not set_attn_implementation(): it would "adjust" some values (e.g. sdpa -> eager on GPT-OSS).
-        base.config._attn_implementation = st.original_attn
-        for h in st.hooks:
-            h.remove()
-        if base.__dict__.get("generate") is st.generate:
-            del base.__dict__["generate"]
-        for layer in decoder_layers(model):
-            attn = getattr(layer, "self_attn", None)
-            if attn is not None and hasattr(attn, "_fastsft_packed_state"):
-                del attn._fastsft_packed_state
-        del base._fastsft_packed_state
+    PACKED.disable(model)
     return state(model)
 
 
 def packed_attention_state(model: nn.Module) -> dict | None:
     """``{"backend", "cache", "attn_implementation", "original_attn_implementation"}`` or None when off."""
-    base = base_model(model)
-    st = getattr(base, "_fastsft_packed_state", None)
+    st: PackedAttention | None = record(model, SWITCH) if is_on(model, SWITCH) else None
     if st is None:
         return None
-    return {"backend": st.backend, "cache": st.cache, "attn_implementation": base.config._attn_implementation,
+    return {"backend": st.backend, "cache": st.cache,
+            "attn_implementation": attn_implementation(base_model(model).config),
             "original_attn_implementation": st.original_attn}
 
 
-def _read_state(model: nn.Module) -> dict:
-    st = getattr(base_model(model), "_fastsft_packed_state", None)
-    return {"packed": st.backend, "packed_cache": st.cache} if st is not None else {}
-
-
-register_state_reader("packed", _read_state)
-
-__all__ = ["enable_packed_attention", "disable_packed_attention", "set_packed_metadata_cache",
-           "packed_attention_state", "check_packed_backend", "check_packed_model", "original_attention",
-           "check_position_ids", "check_metadata_matches"]
+__all__ = ["PACKED", "PackedAttention", "enable_packed_attention", "disable_packed_attention",
+           "set_packed_metadata_cache", "packed_attention_state", "check_packed_backend", "check_packed_model",
+           "original_attention", "check_position_ids", "check_metadata_matches"]

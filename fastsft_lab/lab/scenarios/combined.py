@@ -39,7 +39,7 @@ from ...env import environment, package_version
 from ...dequant import fused_dequant_targets
 from ...lora import fused_lora_targets
 from ...models import LoraSettings, base_model, build_model, decoder_layers, get_preset
-from ...packing import enable_packed_attention, packed_inputs
+from ...packing import PackedAttention, packed_inputs
 from ...toggles import apply
 from ..flops import peak_flops
 from ..harness import AUTOCAST, Variant, format_table, make_result, run_variants, with_autocast, write_json
@@ -68,13 +68,11 @@ def build_combined_model(preset, *, num_layers: int | None, lora_rank: int, devi
 def _configure(model: nn.Module, *, packed: str | None = None, cache: bool = True, moe: str | None = None,
                offload: int = 0, check: bool = True) -> None:
     """One variant's switches, set through :func:`fastsft_lab.apply` (what a user calls); ``moe="stock"`` is the
-    experts implementation the model had. The batch-check ablation (``check=False``) goes through the packing
-    module's finer switch, which ``apply`` does not offer."""
-    apply(model, packed_attention=packed or "off", packed_metadata_cache=cache if packed else None,
+    experts implementation the model had. The batch-check ablation (``check=False``) gives packed attention its
+    settings (:class:`~fastsft_lab.packing.PackedAttention`) instead of a backend name."""
+    apply(model, packed_attention=(PackedAttention(packed, cache, check_batch=check) if packed else "off"),
           moe_routing=None if moe is None else ("off" if moe == "stock" else moe),
           offload_buffers=offload or "off")
-    if packed and not check:
-        enable_packed_attention(model, packed, cache=cache, check_batch=False)
 
 
 def _reset(model: nn.Module, is_moe: bool) -> None:

@@ -25,9 +25,9 @@ from torch import nn
 from ..._util import pow2_ceil
 from ...data import benchmark_batches
 from ...models import LoraSettings, base_model, build_model, get_preset, model_device
-from ...offload import (CheckpointingSwitch, StreamOps, disable_offloaded_checkpointing, enable_offloaded_checkpointing,
-                        offload_manager)
+from ...offload import CheckpointingSwitch, OffloadSettings, PinnedPool, StreamOps, offload_manager
 from ...offload.pool import host_memory_available
+from ...toggles import apply
 from ..harness import Variant, format_derived, format_table, make_result, run_variants, write_json
 from ..plots import plot_offload_result, plot_sweep, plot_timelines, save_figure
 from ..scenario import OptionError, Scenario, option
@@ -71,16 +71,17 @@ class _OffloadToggle:
     """enable/disable of one offload mode for the harness; keeps the manager's memory figures and its counters
     (copies, bytes copied, prefetch hits) of the last step it was on for."""
 
-    def __init__(self, buffers: int, prefetch: bool, serial: bool):
+    def __init__(self, buffers: int, prefetch: bool, serial: bool, pool: PinnedPool | None = None):
         self.buffers, self.prefetch, self.serial = buffers, prefetch, serial
+        self.pool = pool if pool is not None else PinnedPool(pin=torch.cuda.is_available())
         self.last_memory: dict = {}
         self.last_stats: dict = {}
         self._stats_before: dict = {}
 
     def enable(self, model: nn.Module) -> None:
         streams = SerialForwardCopies(model_device(model)) if self.serial else None
-        # the offload module's own switch, not apply: its streams= seam (serialised copies) is not apply's to offer
-        enable_offloaded_checkpointing(model, self.buffers, self.prefetch, streams=streams)
+        # the offload switch with its seams: serialised copies, and a pinned pool every mode shares across steps
+        apply(model, offload_buffers=OffloadSettings(self.buffers, self.prefetch, streams=streams, pool=self.pool))
         manager = offload_manager(model)
         self._stats_before = manager.stats.as_dict() if manager is not None else {}
 
@@ -92,16 +93,23 @@ class _OffloadToggle:
                 self.last_memory = mem
             now = manager.stats.as_dict()
             self.last_stats = {k: v - self._stats_before.get(k, 0) for k, v in now.items()}
-        disable_offloaded_checkpointing(model)
+        apply(model, offload_buffers="off")
+
+
+def release_pools(toggles: dict) -> None:
+    """Let the pinned pool of :func:`make_variants`' offload modes go (nothing may be pending)."""
+    for pool in {id(t.pool): t.pool for t in toggles.values() if isinstance(t, _OffloadToggle)}.values():
+        pool.clear()
 
 
 def make_variants(model: nn.Module, keys: Sequence[str] = VARIANT_KEYS, device: torch.device | None = None):
     """Harness variants for offloaded checkpointing and its baselines, each with a note of what it is and costs.
 
     Returns ``(variants, toggles)`` where ``toggles[name]`` is the enable/disable object (offload modes expose
-    ``last_memory``).
+    ``last_memory``; they share one pinned pool, across steps: :func:`release_pools` lets it go).
     """
     device = device or model_device(model)
+    pool = PinnedPool(pin=device.type == "cuda")
     out, objs = [], {}
     for key in keys:
         if key == "standard":
@@ -144,7 +152,7 @@ def make_variants(model: nn.Module, keys: Sequence[str] = VARIANT_KEYS, device: 
                      "Host memory grows with tokens x vocab.")
         elif key in _OFFLOAD_MODES:
             buffers, prefetch, serial = _OFFLOAD_MODES[key]
-            sw = _OffloadToggle(buffers, prefetch, serial)
+            sw = _OffloadToggle(buffers, prefetch, serial, pool)
             name = {"offload1": "offload x1 (single buffer)", "offload1_serial": "offload x1, serial fwd copies",
                     "offload2": "offload x2 (double buffer)", "offload2p": "offload x2 + prefetch"}[key]
             what = {
@@ -442,7 +450,7 @@ def _run_vram_check(device, *, cfg: dict, out_dir: str, layers: int, tokens: int
         result["derived"] = {"peak_saved_bytes": peaks[0] - peaks[1]}
     write_json(result, os.path.join(out_dir, f"offload-vram-{cfg['preset']}-{layers}L-{tokens}.json"))
     print(format_table(result))
-    disable_offloaded_checkpointing(model, release_pool=True)
+    release_pools(toggles)
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -593,8 +601,8 @@ def _bench(device, cfg, out_dir, steps, warmup, progress, sweep, sweep_only, hos
             if result["derived"]:
                 print("  " + format_derived(result["derived"]))
             results.append(result)
-            # release pinned memory between token counts (our pool, and the peers' cached pinned blocks)
-            disable_offloaded_checkpointing(model, release_pool=True)
+            # release pinned memory between token counts (our pool went with its variants; the peers' cached
+            # pinned blocks)
             _empty_host_cache()
         del model
         if device.type == "cuda":
@@ -612,6 +620,6 @@ def _bench(device, cfg, out_dir, steps, warmup, progress, sweep, sweep_only, hos
     return results
 
 
-__all__ = ["OffloadScenario", "OffloadOptions", "VARIANT_KEYS", "make_variants", "SerialForwardCopies",
+__all__ = ["OffloadScenario", "OffloadOptions", "VARIANT_KEYS", "make_variants", "release_pools", "SerialForwardCopies",
            "measure_bandwidth", "estimate_host_bytes", "trace_step", "vram_saved_estimate",
            "derived", "gain", "results_table"]

@@ -50,7 +50,8 @@ from torch import nn
 
 from ...data import benchmark_batches
 from ...models import LoraSettings, base_model, build_model, get_preset
-from ...offload import StreamOps, disable_offloaded_checkpointing, enable_offloaded_checkpointing
+from ...offload import OffloadSettings, PinnedPool, StreamOps
+from ...toggles import apply
 from ..harness import (Variant, count_step_syncs, format_derived, format_table, make_optimizer, make_result,
                        run_variants, write_json)
 from ..plots import plot_offload_link, save_figure
@@ -320,19 +321,20 @@ def crossing(points: Sequence[tuple[float, float]], level: float) -> float | Non
 class _PacedOffload:
     """enable/disable of one offload mode behind one emulated link; keeps the copy counters of the last step."""
 
-    def __init__(self, buffers: int, prefetch: bool, pacer: LinkPacer | None, device: torch.device):
-        self.buffers, self.prefetch, self.pacer, self.device = buffers, prefetch, pacer, device
+    def __init__(self, buffers: int, prefetch: bool, pacer: LinkPacer | None, device: torch.device,
+                 pool: PinnedPool):
+        self.buffers, self.prefetch, self.pacer, self.device, self.pool = buffers, prefetch, pacer, device, pool
         self.ops: PacedStreamOps | None = None
         self.last_counts: dict = {}
 
     def enable(self, model: nn.Module) -> None:
         self.ops = PacedStreamOps(self.device, self.pacer)
-        enable_offloaded_checkpointing(model, self.buffers, self.prefetch, streams=self.ops)
+        apply(model, offload_buffers=OffloadSettings(self.buffers, self.prefetch, streams=self.ops, pool=self.pool))
 
     def disable(self, model: nn.Module) -> None:
         if self.ops is not None:
             self.last_counts = self.ops.counts()
-        disable_offloaded_checkpointing(model)
+        apply(model, offload_buffers="off")
 
 
 def _label(target: float | None, paced: bool = True) -> str:
@@ -347,10 +349,11 @@ def make_link_variants(model: nn.Module, device: torch.device, targets: Sequence
     """Plain checkpointing once, then every offload mode at every target (``pacer_for(target) -> LinkPacer``)."""
     plain, _ = make_variants(model, ("standard",), device)
     variants, meta = list(plain), {plain[0].name: {"key": "plain", "target_gbps": None, "toggle": None}}
+    pool = PinnedPool(pin=device.type == "cuda")        # every mode's, across steps
     for target in targets:
         for key in modes:
             buffers, prefetch, name = MODES[key]
-            tog = _PacedOffload(buffers, prefetch, pacer_for(target), device)
+            tog = _PacedOffload(buffers, prefetch, pacer_for(target), device, pool)
             v = Variant(f"{name} @ {_label(target, device.type == 'cuda')}",
                         {"checkpointing": "offload", "offload_buffers": buffers, "prefetch": prefetch,
                          "link_target_gbps": target},
@@ -477,7 +480,9 @@ def _bench(device: torch.device, opts, out_dir: str, progress: bool) -> dict:
         print(f"  {link:>10s} {pct('offload1_vs_plain'):>12s} {pct('offload2p_vs_plain'):>14s} "
               f"{pct('gain_x2_vs_x1'):>11s} {p.get('copy_to_backward_ratio', float('nan')):>14.3f}")
     print("  " + format_derived(result["derived"]))
-    disable_offloaded_checkpointing(model, release_pool=True)
+    for m in meta.values():
+        if m["toggle"] is not None:
+            m["toggle"].pool.clear()
     del model
     if cuda:
         torch.cuda.empty_cache()

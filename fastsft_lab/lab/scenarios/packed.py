@@ -23,6 +23,7 @@ from torch import nn
 
 from ...data import PackedBatch, benchmark_batches
 from ...families import get_family
+from ..._compat import attn_implementation, set_attn_implementation_of
 from ...models import LoraSettings, base_model, build_model, family_of, get_preset
 from ...packing import (BACKENDS, PackedMetadata, available_backends, get_backend, packed_inputs, prebuild_metadata,
                         prepare_metadata)
@@ -96,19 +97,18 @@ def packed_variants(model: nn.Module, backend: str, device: torch.device, *, sto
     if not naive:
         variants = variants[1:]
     if stock:
+        before: list = []           # the implementation the model had, while the stock variant runs
+
         def stock_on(m, impl=stock):
             apply(m, packed_attention="off")
             base = base_model(m)
-            base._fastsft_stock_prev = base.config._attn_implementation
-            if base.config._attn_implementation != impl:
+            before.append(attn_implementation(base.config))
+            if before[-1] != impl:
                 base.set_attn_implementation(impl)
 
         def stock_off(m):
-            base = base_model(m)
-            prev = getattr(base, "_fastsft_stock_prev", None)
-            if prev is not None:
-                base.config._attn_implementation = prev
-                del base._fastsft_stock_prev
+            if before:
+                set_attn_implementation_of(base_model(m).config, before.pop())
 
         unequal = stock_leak(model)
         leak = " (its masks never see position_ids: packed sequences attend across boundaries)" if unequal else ""
