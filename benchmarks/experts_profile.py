@@ -47,7 +47,8 @@ def main(argv=None) -> int:
 
     from fastsft_lab.env import environment
     from fastsft_lab.lab.scenarios.moe import _matmuls_alone, _router_and_experts
-    from fastsft_lab.models import build_model, decoder_layers
+    from fastsft_lab.models import build_model
+    from fastsft_lab.structure import decoder_layers
     from fastsft_lab.moe import moe_routing, set_fused_glu
     from fastsft_lab.moe.kernels import set_fused_combine
     from fastsft_lab.profiling import time_ms

@@ -1,7 +1,9 @@
 """Every framework name fastsft_lab reads that is private or version-dependent, in one place.
 
 Each accessor says which versions it was checked on; ``tests/test_compat.py`` fails with a clear message when one
-moves. Nothing else in the library reaches into a private torch / transformers / PEFT name.
+moves, and finds no private torch / transformers / PEFT / ... name in any other file of the package (the lab
+included; its rule is written there). A private attribute a switch writes is named here (``ATTN_IMPLEMENTATION``,
+``CHECKPOINT_FUNCTION``, ...) and written through the model's restore log (:mod:`fastsft_lab.restore`).
 """
 
 from __future__ import annotations
@@ -251,3 +253,90 @@ def require_grads_hooks(model: nn.Module) -> list:
 __all__ += ["ATTN_IMPLEMENTATION", "EXPERTS_IMPLEMENTATION", "CHECKPOINT_FUNCTION", "REQUIRE_GRADS_HOOKS",
             "attn_implementation", "set_attn_implementation_of", "experts_implementation_of", "checkpoint_function",
             "require_grads_hooks"]
+
+
+# --- torch internals the library and the lab read -------------------------------------------------------------------
+def tensor_version(t: torch.Tensor) -> int:
+    """``t._version``: autograd's in-place counter of ``t``'s storage view (torch 1.x-2.13)."""
+    return t._version
+
+
+def tensor_is_view(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a view of another tensor (``t._base``; torch 1.x-2.13)."""
+    return t._base is not None
+
+
+aten = torch.ops.aten
+# aten overloads that public calls lower to, named privately by the dispatcher (torch 2.0-2.13); None where absent
+ATEN_LOCAL_SCALAR_DENSE = aten._local_scalar_dense       # .item()
+ATEN_UNIQUE = tuple(op for op in (getattr(aten, "_unique", None), getattr(aten, "_unique2", None)) if op is not None)
+ATEN_UNSAFE_INDEX = getattr(aten, "_unsafe_index", None)  # what decompositions make of advanced indexing
+ATEN_INDEX_PUT_IMPL = getattr(aten, "_index_put_impl_", None)
+ATEN_TO_COPY = aten._to_copy                              # .to(device) / .cpu()
+# the grouped matmul and the attention kernels (their outputs are what a selective checkpoint saves)
+ATEN_MATMUL_AND_ATTENTION = tuple(op for op in (getattr(aten, name, None) for name in (
+    "_grouped_mm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention", "_flash_attention_forward",
+    "_efficient_attention_forward")) if op is not None)
+
+
+def empty_host_cache() -> None:
+    """Release the pinned blocks torch's caching host allocator holds (``torch._C._host_emptyCache``, torch
+    2.5-2.13; ``_cuda_hostEmptyCache`` before); a no-op where neither exists."""
+    for name in ("_host_emptyCache", "_cuda_hostEmptyCache"):
+        fn = getattr(torch._C, name, None)
+        if fn is not None:
+            fn()
+            return
+
+
+def cuda_sleep(cycles: int) -> None:
+    """Keep the current CUDA stream busy for ``cycles`` SM clock cycles (``torch.cuda._sleep``, torch 1.x-2.13)."""
+    torch.cuda._sleep(cycles)
+
+
+def compiled_call(module: nn.Module):
+    """What ``nn.Module.compile()`` put in front of the module's ``__call__`` (``_compiled_call_impl``, torch
+    2.2-2.13), or None."""
+    return getattr(module, "_compiled_call_impl", None)
+
+
+def set_compiled_call(module: nn.Module, fn) -> None:
+    """Run ``fn`` (a callable ``nn.Module.compile()`` made, or None: eager) when ``module`` is called."""
+    module._compiled_call_impl = fn
+
+
+def forward_hooks(module: nn.Module) -> tuple[dict, dict, set]:
+    """``(pre-hooks, hooks, keys of the hooks that always run)`` of ``module`` (``_forward_pre_hooks``,
+    ``_forward_hooks``, ``_forward_hooks_always_called``; torch 2.0-2.13), keyed by handle id."""
+    return (module._forward_pre_hooks, module._forward_hooks, set(module._forward_hooks_always_called))
+
+
+def remove_forward_hook(module: nn.Module, key: int) -> None:
+    """Remove the forward (pre-)hook ``key`` of ``module`` from every table torch keeps it in (what a
+    ``RemovableHandle`` does, for a hook whose handle someone else holds)."""
+    for name in ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called",
+                 "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs"):
+        getattr(module, name, {}).pop(key, None)
+
+
+# --- transformers / PEFT / xformers internals -------------------------------------------------------------------------
+def experts_gate(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """The gated activation of a transformers experts module (``_apply_gate``, transformers 5.0-5.17)."""
+    return module._apply_gate(gate_up)
+
+
+def peft_check_forward_args(module: nn.Module, x, *args, **kwargs) -> None:
+    """PEFT's argument check of a LoRA layer's forward (``_check_forward_args``, PEFT 0.17-0.21)."""
+    module._check_forward_args(x, *args, **kwargs)
+
+
+def xformers_has_cpp_library(xformers_module) -> bool:
+    """Whether xformers' C++/CUDA extensions loaded (``xformers._has_cpp_library``; True where it is not said)."""
+    return getattr(xformers_module, "_has_cpp_library", True) is not False
+
+
+__all__ += ["tensor_version", "tensor_is_view", "ATEN_LOCAL_SCALAR_DENSE", "ATEN_UNIQUE", "ATEN_UNSAFE_INDEX",
+            "ATEN_INDEX_PUT_IMPL", "ATEN_TO_COPY", "ATEN_MATMUL_AND_ATTENTION", "empty_host_cache", "cuda_sleep",
+            "compiled_call", "set_compiled_call", "forward_hooks", "remove_forward_hook", "experts_gate",
+            "peft_check_forward_args", "xformers_has_cpp_library"]

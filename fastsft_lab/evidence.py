@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .data import PackedBatch, unpack
-from .models import decoder_layers, model_device
+from .structure import decoder_layers, model_device
 from .moe.modules import experts_modules
 from .offload import (CheckpointingSwitch, StreamOps, disable_offloaded_checkpointing, enable_offloaded_checkpointing,
                       is_offloaded, offload_manager)

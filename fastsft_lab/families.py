@@ -9,12 +9,13 @@ modules of its tiny preset, so a transformers change that breaks a record fails 
 
 Packed attention itself stays generic (it reads each layer's ``sliding_window`` / ``s_aux`` call arguments and
 refuses a config with logit softcapping or ALiBi), so it also runs on transformers families that have no record here
-(Llama, Mistral, Qwen2, ...); the MoE routing runs only on the experts modules of a record.
+(Llama, Mistral, Qwen2, ...); the MoE routing runs only on the experts modules of a record, and reads their layout
+(bias, transposed weights), gate and routing weights from it. Every field here is read by the code (or the lab).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from torch import nn
@@ -30,8 +31,8 @@ class Attention:
 
     ``windows``: where a sliding window comes from - ``"none"``; ``"layer_types"`` (``config.sliding_window`` on the
     layers ``config.layer_types`` marks ``sliding_attention``); ``"every_layer"`` (``config.sliding_window``, when
-    set, on every layer). ``sinks``: per-head attention sinks (GPT-OSS's ``s_aux``). ``softcap``: attention logit
-    softcapping - no packed kernel implements it, so a record that declares it is refused (one-line error).
+    set, on every layer). ``sinks``: per-head attention sinks (GPT-OSS's ``s_aux``). No family here softcaps its
+    attention logits (no packed kernel implements it: a config that does is refused, recorded or not).
     ``stock``: the attention implementation stock transformers runs the family with (the default of a build).
     ``stock_packs``: stock transformers' masks see packed ``position_ids`` (each packed sequence attends to itself
     only); False where its mask calls never get them and packed sequences attend to the ones before them in the row
@@ -41,13 +42,7 @@ class Attention:
     windows: Windows
     sinks: bool
     stock: str
-    softcap: bool = False
     stock_packs: bool = True
-
-    def __post_init__(self) -> None:
-        if self.softcap:
-            raise ValueError("attention logit softcapping is not implemented by fastsft_lab's packed-attention "
-                             "kernels: a family with softcap=True cannot have a record")
 
 
 @dataclass(frozen=True)
@@ -55,26 +50,23 @@ class Experts:
     """The mixture-of-experts layer of a family: transformers' experts module and how it is fed.
 
     ``class_name``: the ``@use_experts_implementation`` experts class (found by class, NF4 subclasses included);
-    ``router``: the attribute of the MoE block that holds the router (``mlp.router`` / ``mlp.gate``) and
-    ``router_class`` its class; ``gate``: the gated activation between the two projections - ``"gpt_oss_glu"``
-    (interleaved gate/up columns, clamped at ``limit``, ``(up + 1) * gate * sigmoid(alpha * gate)``) or ``"act_glu"``
-    (transformers' default ``act_fn(gate) * up`` on concatenated halves; a fused kernel when the act is SiLU);
-    ``routing_weights``: what the router hands the experts - ``"top_k"`` (T, k) weights of the chosen experts, or
-    ``"dense"`` (T, E) scores, gathered to (T, k) before use; ``transposed`` / ``bias``: the weights are stored
-    (E, in, out) / carry biases (transformers' ``is_transposed`` / ``has_bias``); ``num_experts_key`` /
-    ``width_key``: the config names of the expert count and the expert width; ``lora_parameters``: PEFT
-    ``target_parameters`` for ``LoraSettings(lora_experts=True)`` (empty: not offered).
+    ``router``: the attribute of the MoE block that holds the router (``mlp.router`` / ``mlp.gate``); ``gate``: the
+    gated activation between the two projections - ``"gpt_oss_glu"`` (interleaved gate/up columns, clamped at
+    ``limit``, ``(up + 1) * gate * sigmoid(alpha * gate)``) or ``"act_glu"`` (transformers' default
+    ``act_fn(gate) * up`` on concatenated halves; a fused kernel when the act is SiLU), the key of
+    :data:`fastsft_lab.moe.gate.GATES`; ``routing_weights``: what the router hands the experts - ``"top_k"`` (T, k)
+    weights of the chosen experts, or ``"dense"`` (T, E) scores, gathered to (T, k) before use; ``transposed`` /
+    ``bias``: the weights are stored (E, in, out) / carry biases (what transformers' modules say as ``is_transposed``
+    / ``has_bias``; the experts forwards read the record); ``lora_parameters``: PEFT ``target_parameters`` for
+    ``LoraSettings(lora_experts=True)`` (empty: not offered).
     """
 
     class_name: str
     router: str
-    router_class: str
     gate: Gate
     routing_weights: RoutingWeights
     transposed: bool
     bias: bool
-    num_experts_key: str
-    width_key: str
     lora_parameters: tuple[str, ...] = ()
 
 
@@ -82,20 +74,18 @@ class Experts:
 class ModelFamily:
     """Everything fastsft_lab knows about one model family; ``name`` is transformers' ``config.model_type``.
 
-    ``config_class`` / ``causal_lm_class``: the transformers classes (by name, imported on use);
-    ``lora_targets``: the default LoRA ``target_modules`` (every attention and MLP projection PEFT can adapt);
-    ``experts``: the MoE layer (None: a dense family); ``router_aux_loss``: the model adds a router load-balancing
-    loss (``config.router_aux_loss_coef``) when ``output_router_logits``.
+    ``config_class``: the transformers config class (by name, imported on use); ``lora_targets``: the default LoRA
+    ``target_modules`` (every attention and MLP projection PEFT can adapt); ``experts``: the MoE layer (None: a dense
+    family); ``router_aux_loss``: the model adds a router load-balancing loss (``config.router_aux_loss_coef``) when
+    ``output_router_logits`` (read through :func:`router_aux_loss`).
     """
 
     name: str
     config_class: str
-    causal_lm_class: str
     attention: Attention
     lora_targets: tuple[str, ...]
     experts: Experts | None = None
     router_aux_loss: bool = False
-    note: str = field(default="", compare=False)
 
     @property
     def is_moe(self) -> bool:
@@ -116,58 +106,46 @@ class ModelFamily:
             return [window if t == "sliding_attention" else None for t in config.layer_types[:layers]]
         return [window if self.attention.windows == "every_layer" else None] * layers
 
-    def experts_type(self) -> type:
-        """The transformers experts class (``transformers.models.<name>.modeling_<name>``); a dense family raises."""
-        if self.experts is None:
-            raise ValueError(f"{self.name} is a dense family: it has no experts module")
-        import importlib
-
-        module = importlib.import_module(f"transformers.models.{self.name}.modeling_{self.name}")
-        return getattr(module, self.experts.class_name)
-
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
+    # dense; GQA; sliding layers only with use_sliding_window (off in every Qwen3 checkpoint)
     ModelFamily(
-        name="qwen3", config_class="Qwen3Config", causal_lm_class="Qwen3ForCausalLM",
+        name="qwen3", config_class="Qwen3Config",
         attention=Attention(windows="layer_types", sinks=False, stock="sdpa"),
         lora_targets=_ATTN + _MLP,
-        note="dense; GQA; sliding layers only with use_sliding_window (off in every Qwen3 checkpoint)",
     ),
+    # MoE, top-k of the logits then softmax; sliding and full layers alternate; attention sinks
     ModelFamily(
-        name="gpt_oss", config_class="GptOssConfig", causal_lm_class="GptOssForCausalLM",
+        name="gpt_oss", config_class="GptOssConfig",
         # GptOssPreTrainedModel sets _supports_sdpa = False (SDPA cannot take attention sinks), so stock
         # transformers runs GPT-OSS with eager attention unless a kernel is installed.
         attention=Attention(windows="layer_types", sinks=True, stock="eager", stock_packs=False),
         lora_targets=_ATTN,  # experts are 3-D parameters: LoraSettings(lora_experts=True) adapts them
-        experts=Experts(class_name="GptOssExperts", router="router", router_class="GptOssTopKRouter",
-                        gate="gpt_oss_glu", routing_weights="top_k", transposed=True, bias=True,
-                        num_experts_key="num_local_experts", width_key="intermediate_size",
+        experts=Experts(class_name="GptOssExperts", router="router", gate="gpt_oss_glu", routing_weights="top_k",
+                        transposed=True, bias=True,
                         lora_parameters=("mlp.experts.gate_up_proj", "mlp.experts.down_proj")),
         router_aux_loss=True,
-        note="MoE, top-k of the logits then softmax; sliding and full layers alternate; attention sinks",
     ),
+    # MoE, softmax then top-k (renormalised with norm_topk_prob)
     ModelFamily(
-        name="qwen3_moe", config_class="Qwen3MoeConfig", causal_lm_class="Qwen3MoeForCausalLM",
+        name="qwen3_moe", config_class="Qwen3MoeConfig",
         attention=Attention(windows="every_layer", sinks=False, stock="sdpa"),
         lora_targets=_ATTN + _MLP,  # PEFT maps gate_proj/up_proj/down_proj onto the experts' 3-D parameters
-        experts=Experts(class_name="Qwen3MoeExperts", router="gate", router_class="Qwen3MoeTopKRouter",
-                        gate="act_glu", routing_weights="top_k", transposed=False, bias=False,
-                        num_experts_key="num_experts", width_key="moe_intermediate_size"),
+        experts=Experts(class_name="Qwen3MoeExperts", router="gate", gate="act_glu", routing_weights="top_k",
+                        transposed=False, bias=False),
         router_aux_loss=True,
-        note="MoE, softmax then top-k (renormalised with norm_topk_prob)",
     ),
+    # MoE, softmax then top-2, renormalised; no sinks; a sliding window on every layer when configured
     ModelFamily(
-        name="mixtral", config_class="MixtralConfig", causal_lm_class="MixtralForCausalLM",
+        name="mixtral", config_class="MixtralConfig",
         attention=Attention(windows="every_layer", sinks=False, stock="sdpa"),
         lora_targets=_ATTN + ("w1", "w2", "w3"),  # PEFT maps Mixtral's w1/w3 (gate_up) and w2 (down) onto the experts
-        experts=Experts(class_name="MixtralExperts", router="gate", router_class="MixtralTopKRouter",
-                        gate="act_glu", routing_weights="top_k", transposed=False, bias=False,
-                        num_experts_key="num_local_experts", width_key="intermediate_size"),
+        experts=Experts(class_name="MixtralExperts", router="gate", gate="act_glu", routing_weights="top_k",
+                        transposed=False, bias=False),
         router_aux_loss=True,
-        note="MoE, softmax then top-2, renormalised; no sinks; a sliding window on every layer when configured",
     ),
 )}
 
@@ -199,4 +177,15 @@ def experts_family(module: nn.Module) -> ModelFamily | None:
     return None
 
 
-__all__ = ["FAMILIES", "Attention", "Experts", "ModelFamily", "experts_family", "get_family", "supported_families"]
+def router_aux_loss(config) -> bool:
+    """Whether a model of ``config`` adds a router load-balancing loss: its record's ``router_aux_loss``; a family
+    with no record (OLMoE, ...) is taken at its config's word (``router_aux_loss_coef``, transformers' own field), so
+    that no switch drops or miscounts a loss it was not told about."""
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    if family is not None:
+        return family.router_aux_loss
+    return hasattr(config, "router_aux_loss_coef")
+
+
+__all__ = ["FAMILIES", "Attention", "Experts", "ModelFamily", "experts_family", "get_family", "router_aux_loss",
+           "supported_families"]

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ._compat import peft_check_forward_args, tensor_is_view
 from .model_state import state
 from .restore import Optimization, changes, entries
 from .structure import base_model
@@ -73,9 +74,9 @@ def fused_lora_forward(self, original, x: torch.Tensor, *args, **kwargs) -> torc
     (``original``: the layer's own forward)."""
     if self.disable_adapters or self.merged or kwargs.get("adapter_names") is not None:
         return original(x, *args, **kwargs)
-    self._check_forward_args(x, *args, **kwargs)
+    peft_check_forward_args(self, x, *args, **kwargs)
     result = self.base_layer(x, *args, **kwargs)                    # (..., out)
-    if result._base is not None:
+    if tensor_is_view(result):
         # a view (some quantized bases return one): adding into it in place would rewrite what autograd saved
         result = result.clone()
     out2d = result.view(-1, result.shape[-1])                      # (N, out)

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._util import KernelSwitch, on_device_of
+from .families import router_aux_loss
 from .model_state import ModelState, state
 from .restore import Optimization, changes, is_on, record
 from .structure import base_model
@@ -216,6 +217,7 @@ class FusedLoss:
     load-balancing loss is averaged (:func:`set_router_loss_scope`)."""
 
     output: Any
+    router_loss: bool = False      # the family adds a router load-balancing loss (its record)
     scope: str = "rank"
 
     def state(self) -> dict:
@@ -231,7 +233,7 @@ def fused_causal_lm_forward(fused: FusedLoss, self, original, input_ids=None, at
         return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
                         use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
-    moe = hasattr(self.config, "router_aux_loss_coef") and hasattr(self, "num_experts")
+    moe = fused.router_loss
     if moe:
         kwargs.setdefault("output_router_logits", self.config.output_router_logits)
     router = kwargs.get("output_router_logits", False) if moe else False
@@ -317,10 +319,10 @@ def set_router_loss_scope(model: nn.Module, scope: str) -> None:
     record(model, SWITCH).scope = scope
 
 
-def _output_class(model: nn.Module):
+def _output_class(router_loss: bool):
     import transformers.modeling_outputs as mo
 
-    return mo.MoeCausalLMOutputWithPast if hasattr(model.config, "router_aux_loss_coef") else mo.CausalLMOutputWithPast
+    return mo.MoeCausalLMOutputWithPast if router_loss else mo.CausalLMOutputWithPast
 
 
 # Config fields with which a transformers *ForCausalLM changes its logits between the LM head and the loss
@@ -360,7 +362,8 @@ def enable(model: nn.Module, value: bool = True) -> None:
     if log.record is not None:
         return
     base = base_model(model)
-    log.record = FusedLoss(_output_class(base))
+    moe = router_aux_loss(base.config)
+    log.record = FusedLoss(_output_class(moe), moe)
     log.forward(base, functools.partial(fused_causal_lm_forward, log.record))
 
 

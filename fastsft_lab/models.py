@@ -1,5 +1,8 @@
 """Named model presets (tiny for tests, real sizes for benchmarks) and one builder for all of them.
 
+Where things are in a built model (its decoder layers, its device, the model under its wrappers) is
+:mod:`fastsft_lab.structure`.
+
 The real presets carry the published architecture hyper-parameters of each checkpoint's ``config.json``;
 speed does not depend on weight values, so ``weights="random"`` builds the real architecture directly on
 the target device (no download, no CPU copy of a 14B model), while ``weights="hub"`` is the ordinary
@@ -16,7 +19,8 @@ import torch
 from torch import nn
 
 from .families import FAMILIES, ModelFamily, get_family
-from .structure import base_model, decoder_layers, family_of, model_device, unwrap  # noqa: F401  (re-exported)
+# where things are in a model lives in .structure; re-exported here for code that imports it from the presets
+from .structure import base_model, decoder_layers, family_of, model_device, unwrap  # noqa: F401
 
 QWEN3_LORA_TARGETS = get_family("qwen3").lora_targets
 GPT_OSS_LORA_TARGETS = get_family("gpt_oss").lora_targets  # experts are 3-D parameters, see lora_experts

@@ -29,7 +29,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ._compat import TorchDispatchMode
+from ._compat import (ATEN_INDEX_PUT_IMPL, ATEN_LOCAL_SCALAR_DENSE, ATEN_TO_COPY, ATEN_UNIQUE, ATEN_UNSAFE_INDEX,
+                      TorchDispatchMode)
 from ._util import percentiles  # the one implementation, torch-free (the Unsloth peer imports it too)
 
 aten = torch.ops.aten
@@ -40,11 +41,10 @@ _SUPPRESS = [0]  # >0 while inside a counted Python-level call (printing, tolist
 
 # aten overload packets that always sync (their output size or value depends on device data)
 _ALWAYS_SYNC = {
-    aten._local_scalar_dense: "item",
+    ATEN_LOCAL_SCALAR_DENSE: "item",
     aten.nonzero: "nonzero",
     aten.masked_select: "masked_select",
-    aten._unique: "unique",
-    aten._unique2: "unique",
+    **{op: "unique" for op in ATEN_UNIQUE},
     aten.unique_dim: "unique",
     aten.unique_consecutive: "unique",
     aten.bincount: "bincount",
@@ -83,9 +83,9 @@ class SyncCountingMode(TorchDispatchMode):
                 # item() on a tensor the dispatcher itself made from a host scalar is not a sync
                 return _ALWAYS_SYNC[packet]
             return None
-        if packet in (aten.index, aten._unsafe_index) and first is not None and self.counter._on_device(first):
+        if packet in (aten.index, ATEN_UNSAFE_INDEX) and first is not None and self.counter._on_device(first):
             return "bool_index" if _is_bool_index(args[1] if len(args) > 1 else kwargs.get("indices")) else None
-        if packet in (aten.index_put, aten.index_put_, aten._index_put_impl_) and first is not None:
+        if packet in (aten.index_put, aten.index_put_, ATEN_INDEX_PUT_IMPL) and first is not None:
             if self.counter._on_device(first) and _is_bool_index(args[1] if len(args) > 1 else None):
                 return "bool_index"
             return None
@@ -94,7 +94,7 @@ class SyncCountingMode(TorchDispatchMode):
                 if kwargs.get("output_size") is None:
                     return "repeat_interleave"
             return None
-        if packet is aten._to_copy and first is not None:
+        if packet is ATEN_TO_COPY and first is not None:
             dst = kwargs.get("device")
             if dst is not None and torch.device(dst).type == "cpu" and first.device.type != "cpu" \
                     and self.counter._on_device(first):
@@ -201,7 +201,7 @@ class SyncCounter:
     # -- construction helpers
     @classmethod
     def for_decoder_layers(cls, model: nn.Module, **kwargs) -> "SyncCounter":
-        from .models import decoder_layers
+        from .structure import decoder_layers
 
         layers = decoder_layers(model)
         return cls(modules={f"layer{i}": layer for i, layer in enumerate(layers)}, **kwargs)

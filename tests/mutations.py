@@ -240,7 +240,7 @@ MUTATIONS = [
              ("tests/test_bench.py", "-k", "same_weights")),
     # --- the checkpointing plan for a memory budget
     Mutation("plan-saves-outputs-changed-in-place", O + "plan.py",
-             "unsaved = frozenset(op for _, op, t, version in records if t._version != version)",
+             "unsaved = frozenset(op for _, op, t, version in records if tensor_version(t) != version)",
              "unsaved = frozenset()", (TPL, "-k", "every_choice or compose")),
     Mutation("plan-keep-layer-recomputed", O + "plan.py",
              '        if choice == "keep":\n            return function(*args)',

@@ -1,55 +1,184 @@
-"""``fastsft_lab._compat``: every private or version-dependent framework name the library reads is there, each
-accessor works on the installed versions (a moved name fails here, by name), and no other library file reaches
-into a private torch / transformers / PEFT name."""
+"""``fastsft_lab._compat``: every private or version-dependent framework name the package reads is there, each
+accessor works on the installed versions (a moved name fails here, by name), and no other file of the package --
+the lab included -- reaches into a private torch / transformers / PEFT / ... name.
+
+The rule, over the syntax tree of every file but ``_compat.py``:
+
+* an attribute access ``obj._name`` is ours when the package defines ``_name`` (a function, class, module, argument,
+  a module or class variable, or ``self._name = ...``), or when ``obj`` is a module of the standard library
+  (``os._exit``); any other is a framework's private name;
+* ``getattr`` / ``setattr`` / ``hasattr`` / ``delattr`` with a literal private name, and ``vars(obj)[...]`` /
+  ``obj.__dict__[...]`` with one, count as attribute accesses;
+* an import of a private framework module or name (``import torch._dynamo``, ``from torch.utils import _pytree``);
+* a string naming a private attribute of a framework class a switch touches (``nn.Module``, ``torch.Tensor``,
+  transformers' config and model classes, its ``GradientCheckpointingLayer``) -- a name handed around to be looked
+  up later (``log.set(layer, "_gradient_checkpointing_func", ...)``).
+
+So that "ours" cannot hide a framework name, no private name the package defines may also be one of those classes'.
+"""
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import re
+import sys
 
 import pytest
 import torch
 
 from fastsft_lab import _compat as C
 
-from _source_helpers import code_lines
-
-LIB = pathlib.Path(__file__).resolve().parents[1] / "fastsft_lab"
-
-# torch._x, transformers.y._z, "from torch.utils import _pytree", "from transformers.x import _name"
-PRIVATE = re.compile(r"\b(?:torch|transformers|peft|bitsandbytes)(?:\.\w+)*\._[A-Za-z]\w*"
-                     r"|^\s*from\s+(?:torch|transformers|peft|bitsandbytes)[\w.]*\s+import\s+[^#\n]*\b_[a-z]\w*"
-                     r"|\._experts_implementation_internal\b|\._orig_mod\b")
+PKG = pathlib.Path(__file__).resolve().parents[1] / "fastsft_lab"
+FRAMEWORKS = ("torch", "transformers", "peft", "bitsandbytes", "triton", "accelerate", "trl", "xformers",
+              "flash_attn", "datasets", "liger_kernel")
+_PRIVATE = re.compile(r"^_[A-Za-z0-9]\w*$")
 
 
-def _private_in(code: str) -> bool:
-    """Whether a line of code reaches into a private framework name (string literals and ``as`` aliases aside)."""
-    code = re.sub(r"(\"[^\"]*\"|'[^']*')", "", code)
-    code = re.sub(r"\s+as\s+\w+", "", code)
-    return bool(PRIVATE.search(code))
+def _private(name: str) -> bool:
+    return bool(_PRIVATE.match(name)) and not (name.startswith("__") and name.endswith("__"))
 
 
+def _framework_private_attributes() -> set[str]:
+    """The private attributes of the framework classes a switch touches (their instances' too, where the class sets
+    them in ``__init__``)."""
+    import transformers
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    names: set[str] = set()
+    config = transformers.Qwen3Config(hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                      num_attention_heads=1, num_key_value_heads=1, head_dim=8, vocab_size=8)
+    model = transformers.Qwen3ForCausalLM(config)
+    model.gradient_checkpointing_enable()          # what it sets on the layers and the model, too
+    for obj in (torch.nn.Module, torch.Tensor, torch.ones(1), transformers.PretrainedConfig, config,
+                transformers.PreTrainedModel, GradientCheckpointingLayer, *model.modules()):
+        names.update(n for n in dir(obj) if _private(n))
+        names.update(n for n in getattr(obj, "__dict__", {}) if _private(n))
+    return names
 
 
-def test_no_private_framework_name_outside_compat():
+def _defined(trees: dict) -> set[str]:
+    """Every private-looking name the package itself defines."""
+    names = {p.stem for p in trees}
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                    for sub in ast.walk(target):
+                        if isinstance(sub, ast.Name):
+                            names.add(sub.id)
+                        elif isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) \
+                                and sub.value.id in ("self", "cls"):
+                            names.add(sub.attr)
+    return {n for n in names if _private(n)}
+
+
+def _stdlib_modules(tree: ast.AST) -> set[str]:
+    """The names a file binds to a module of the standard library (``import os``, ``import os.path as p``)."""
+    bound = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in sys.stdlib_module_names:
+                    bound.add(alias.asname or alias.name.split(".")[0])
+    return bound
+
+
+def _root(node: ast.AST) -> str | None:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def private_names_outside_compat(sources: dict[str, str], framework: set[str]) -> list[str]:
+    """``path:line: name`` for every framework-private name in ``sources`` (path -> code) under the module's rule;
+    ``_compat.py`` is the one file allowed them."""
+    trees = {pathlib.Path(path): ast.parse(code) for path, code in sources.items()}
+    ours = _defined(trees) - {"_compat"} | {"_compat"}
     found = []
-    for path in sorted(LIB.rglob("*.py")):
-        rel = path.relative_to(LIB.parent).as_posix()
-        if rel in ("fastsft_lab/_compat.py",) or rel.startswith("fastsft_lab/lab/"):
+    for path, tree in trees.items():
+        if path.name == "_compat.py":
             continue
-        for i, code in code_lines(path):
-            if _private_in(code):
-                found.append(f"{rel}:{i}: {code.strip()}")
-    assert not found, "private framework names outside fastsft_lab/_compat.py:\n" + "\n".join(found)
+        stdlib = _stdlib_modules(tree)
+        for node in ast.walk(tree):
+            name = None
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                if node.attr not in ours and _root(node.value) not in stdlib:
+                    name = node.attr
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) > 1 \
+                    and node.func.id in ("getattr", "setattr", "hasattr", "delattr"):
+                arg = node.args[1]
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and _private(arg.value) \
+                        and arg.value not in ours:
+                    name = arg.value
+            elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) \
+                    and isinstance(node.slice.value, str) and _private(node.slice.value) \
+                    and node.slice.value not in ours and (
+                        (isinstance(node.value, ast.Call) and getattr(node.value.func, "id", None) == "vars")
+                        or (isinstance(node.value, ast.Attribute) and node.value.attr == "__dict__")):
+                name = node.slice.value
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in framework:
+                name = node.value
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in FRAMEWORKS \
+                    and (any(_private(part) for part in node.module.split("."))
+                         or any(_private(alias.name) for alias in node.names)):
+                name = node.module
+            elif isinstance(node, ast.Import):
+                name = next((a.name for a in node.names if a.name.split(".")[0] in FRAMEWORKS
+                             and any(_private(part) for part in a.name.split("."))), None)
+            if name is not None:
+                found.append(f"{path.as_posix()}:{node.lineno}: {name}")
+    return sorted(set(found))
 
 
-def test_the_layout_check_would_catch_a_private_name():
-    for bad in ("x = torch._assert_async(c)", "from torch.utils import _pytree",
-                "from transformers.utils.output_capturing import _active_collector", "m._orig_mod"):
-        assert _private_in(bad), bad
-    for fine in ("x = torch.nn.functional.pad(y)", "from torch.profiler import profile as _profile",
-                 "raise ValueError('torch._foo moved')"):
-        assert not _private_in(fine), fine
+@pytest.fixture(scope="module")
+def framework_names():
+    return _framework_private_attributes()
+
+
+def _package_sources() -> dict[str, str]:
+    return {p.relative_to(PKG.parent).as_posix(): p.read_text() for p in sorted(PKG.rglob("*.py"))}
+
+
+def test_no_private_framework_name_outside_compat(framework_names):
+    found = private_names_outside_compat(_package_sources(), framework_names)
+    assert not found, "framework-private names outside fastsft_lab/_compat.py:\n" + "\n".join(found)
+
+
+def test_no_private_name_of_ours_is_also_a_frameworks(framework_names):
+    trees = {pathlib.Path(p): ast.parse(code) for p, code in _package_sources().items()}
+    clash = sorted(_defined(trees) & framework_names)
+    assert not clash, f"names the package defines that framework classes also have (the guard would miss them): {clash}"
+
+
+def test_the_guard_would_catch_a_private_name(framework_names):
+    caught = {
+        "a.py": "import torch\nx = torch._assert_async(c)\n",
+        "b.py": "from torch.utils import _pytree\n",
+        "c.py": "from transformers.utils.output_capturing import _active_collector\n",
+        "d.py": "def f(m):\n    return m._orig_mod\n",
+        "e.py": "def f(c):\n    c._attn_implementation = 'x'\n",
+        "f.py": "def f(t):\n    return getattr(t, '_version')\n",
+        "g.py": "def f(log, layer, fn):\n    log.set(layer, '_gradient_checkpointing_func', fn)\n",
+        "h.py": "import torch._dynamo\n",
+        "i.py": "def f(m):\n    return vars(m)['_parameters']\n",
+    }
+    for path, code in caught.items():
+        assert private_names_outside_compat({path: code}, framework_names), code
+    fine = {
+        "a.py": "import torch\nx = torch.nn.functional.pad(y)\n",
+        "b.py": "from torch.profiler import profile as _profile\n",
+        "c.py": "raise ValueError('torch._foo moved')\n",
+        "d.py": "import os\nos._exit(0)\n",
+        "e.py": "class A:\n    def __init__(self):\n        self._mine = 1\n    def f(self, o):\n        return o._mine\n",
+        "f.py": "from fastsft_lab._compat import checkpoint_function\n",
+    }
+    for path, code in fine.items():
+        assert not private_names_outside_compat({path: code}, framework_names), code
 
 
 def test_every_torch_accessor_works_on_this_torch():
@@ -122,3 +251,42 @@ def test_wrapper_accessors():
     p.ds_id = 3                          # how DeepSpeed ZeRO-3 marks a partitioned parameter
     assert C.is_zero3_partitioned([p])
     assert not C.is_fsdp1(m) and not C.is_fsdp2(m)
+
+
+def test_the_model_accessors_work_on_this_transformers():
+    import transformers
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    config = transformers.Qwen3Config(hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1,
+                                      num_key_value_heads=1, head_dim=8, vocab_size=8, attn_implementation="eager")
+    model = transformers.Qwen3ForCausalLM(config)
+    assert C.attn_implementation(model.config) == "eager"
+    C.set_attn_implementation_of(model.config, "sdpa")
+    assert C.attn_implementation(model.config) == "sdpa" and hasattr(model.config, C.ATTN_IMPLEMENTATION)
+    assert hasattr(model.config, C.EXPERTS_IMPLEMENTATION)
+    layer = model.model.layers[0]
+    assert isinstance(layer, GradientCheckpointingLayer) and C.checkpoint_function(layer) is None
+    model.gradient_checkpointing_enable()
+    assert callable(C.checkpoint_function(layer)), "transformers moved GradientCheckpointingLayer's function"
+    assert len(C.require_grads_hooks(model)) == 1, "transformers moved enable_input_require_grads' hooks"
+    assert set(C.REQUIRE_GRADS_HOOKS) & set(vars(model))
+
+
+def test_the_tensor_and_module_accessors_work_on_this_torch():
+    t = torch.ones(4)
+    v0 = C.tensor_version(t)
+    t.add_(1)
+    assert C.tensor_version(t) == v0 + 1
+    assert C.tensor_is_view(t[1:]) and not C.tensor_is_view(t)
+    assert C.ATEN_TO_COPY is torch.ops.aten._to_copy and C.ATEN_LOCAL_SCALAR_DENSE is not None
+    assert C.ATEN_UNSAFE_INDEX is not None and C.ATEN_INDEX_PUT_IMPL is not None and C.ATEN_UNIQUE
+    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu in C.ATEN_MATMUL_AND_ATTENTION
+    m = torch.nn.Linear(2, 2)
+    assert C.compiled_call(m) is None
+    C.set_compiled_call(m, None)
+    handle = m.register_forward_hook(lambda *a: None, always_call=True)
+    pre, post, always = C.forward_hooks(m)
+    assert handle.id in post and handle.id in always and not pre
+    C.remove_forward_hook(m, handle.id)
+    assert not C.forward_hooks(m)[1] and not C.forward_hooks(m)[2]
+    C.empty_host_cache()

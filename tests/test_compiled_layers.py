@@ -10,7 +10,8 @@ import torch
 from fastsft_lab.data import benchmark_batches
 from fastsft_lab.lab.scenarios.combined import (build_combined_model, combined_variants, compile_layers,
                                                 uncompile_layers)
-from fastsft_lab.models import decoder_layers, get_preset
+from fastsft_lab.models import get_preset
+from fastsft_lab.structure import decoder_layers
 
 
 def _step(model, variant, batch):

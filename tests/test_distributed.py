@@ -48,7 +48,8 @@ def test_distributed_step_equals_one_process_on_the_global_batch(results, case):
 def test_apply_sees_through_ddp_and_refuses_fsdp1_in_one_line():
     import fastsft_lab
     from fastsft_lab.data import benchmark_batches
-    from fastsft_lab.models import build_model, unwrap
+    from fastsft_lab.models import build_model
+    from fastsft_lab.structure import unwrap
     from fastsft_lab.packing import packed_inputs
 
     model = build_model("tiny-qwen3", device="cpu", dtype=torch.float32, lora=None, seed=1)
@@ -80,7 +81,8 @@ def test_offload_refuses_deepspeed_zero3_partitioned_layers_in_one_line():
     risk the silent gradient loss FSDP2 had."""
     import fastsft_lab
     from fastsft_lab.data import benchmark_batches
-    from fastsft_lab.models import build_model, decoder_layers
+    from fastsft_lab.models import build_model
+    from fastsft_lab.structure import decoder_layers
     from fastsft_lab.packing import packed_inputs
 
     model = build_model("tiny-qwen3", device="cpu", dtype=torch.float32, lora=None, seed=1)

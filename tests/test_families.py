@@ -11,8 +11,9 @@ import re
 import pytest
 import torch
 
-from fastsft_lab.families import FAMILIES, Attention, experts_family, get_family, supported_families
-from fastsft_lab.models import PRESETS, LoraSettings, ModelPreset, build_model, decoder_layers, family_of, get_preset
+from fastsft_lab.families import FAMILIES, Attention, experts_family, get_family, router_aux_loss, supported_families
+from fastsft_lab.models import PRESETS, LoraSettings, ModelPreset, build_model, get_preset
+from fastsft_lab.structure import decoder_layers, family_of
 from fastsft_lab.moe import experts_modules, is_experts_module, set_moe_routing
 
 from _source_helpers import code_lines
@@ -60,8 +61,7 @@ def test_the_record_matches_the_live_model(name):
                         config_overrides=overrides)
     config = model.config
     assert family_of(model) is family
-    assert isinstance(config, family.config_type()) and type(model).__name__ == family.causal_lm_class
-    assert config.model_type == family.name
+    assert isinstance(config, family.config_type()) and config.model_type == family.name
 
     # attention: where the windows come from, sinks, no softcapping, the stock implementation
     with torch.no_grad():
@@ -72,25 +72,25 @@ def test_the_record_matches_the_live_model(name):
     assert getattr(config, "attn_logit_softcapping", None) is None
     assert (family.attention.stock == "sdpa") == bool(type(model)._supports_sdpa)
 
-    # experts: the class, its router, gate, weight layout, config keys; the routing weights' layout
-    assert hasattr(config, "router_aux_loss_coef") == family.router_aux_loss
+    # experts: the class, its router, gate, weight layout; the routing weights' layout; the router loss
+    assert hasattr(config, "router_aux_loss_coef") == family.router_aux_loss == router_aux_loss(config)
     mods = experts_modules(model)
     if family.experts is None:
         assert not mods and not family.is_moe
         return
     spec = family.experts
-    assert len(mods) == len(decoder_layers(model)) and all(type(m) is family.experts_type() for m in mods)
+    assert len(mods) == len(decoder_layers(model)) and all(type(m).__name__ == spec.class_name for m in mods)
     block = decoder_layers(model)[0].mlp
-    assert block.experts is mods[0] and type(getattr(block, spec.router)).__name__ == spec.router_class
+    assert block.experts is mods[0] and callable(getattr(block, spec.router))
     m = mods[0]
     assert (m.is_transposed, m.has_bias) == (spec.transposed, spec.bias)
     if spec.gate == "gpt_oss_glu":
         assert not m.is_concatenated and hasattr(m, "alpha") and hasattr(m, "limit")
     else:
         assert m.is_concatenated and type(m)._apply_gate.__name__ == "_default_apply_gate"
-    assert getattr(config, spec.num_experts_key) == m.num_experts
-    width = getattr(config, spec.width_key)
-    assert m.gate_up_proj.shape[1:] in ((config.hidden_size, 2 * width), (2 * width, config.hidden_size))
+    width = m.gate_up_proj.shape[2 if spec.transposed else 1] // 2
+    assert m.gate_up_proj.shape[1:] == ((config.hidden_size, 2 * width) if spec.transposed
+                                        else (2 * width, config.hidden_size))
     shapes = []
     hook = m.register_forward_pre_hook(lambda mod, args: shapes.append((args[1].shape, args[2].shape)))
     try:
@@ -162,10 +162,13 @@ def test_an_moe_family_without_a_record_is_not_routed():
     assert "GptOssExperts (gpt_oss), Qwen3MoeExperts (qwen3_moe), MixtralExperts (mixtral)" in _one_line(e)
 
 
-def test_a_record_with_logit_softcapping_is_refused():
-    with pytest.raises(ValueError, match="softcapping is not implemented") as e:
-        Attention(windows="none", sinks=False, stock="sdpa", softcap=True)
-    _one_line(e)
+def test_a_record_is_frozen_and_a_family_without_one_is_taken_at_its_configs_word():
+    import transformers
+
+    assert not hasattr(Attention(windows="none", sinks=False, stock="sdpa"), "softcap")    # no family softcaps
+    olmoe = transformers.OlmoeConfig()
+    assert olmoe.model_type not in FAMILIES and router_aux_loss(olmoe) and not router_aux_loss(
+        transformers.LlamaConfig())
     with pytest.raises(dataclasses.FrozenInstanceError):
         FAMILIES["qwen3"].lora_targets = ()                                          # type: ignore[misc]
 

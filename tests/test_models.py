@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from fastsft_lab.models import (PRESETS, LoraSettings, base_model, build_model, count_parameters, decoder_layers,
-                                get_preset, make_config)
+from fastsft_lab.models import PRESETS, LoraSettings, build_model, count_parameters, get_preset, make_config
+from fastsft_lab.structure import base_model, decoder_layers
 
 # Published config.json values (hub: Qwen/Qwen3-14B, Qwen/Qwen3-0.6B, openai/gpt-oss-20b, Qwen/Qwen3-30B-A3B).
 PUBLISHED = {

@@ -22,7 +22,8 @@ from fastsft_lab import moe
 from fastsft_lab.families import FAMILIES, get_family
 from fastsft_lab.lab.scenarios import run_scenario
 from fastsft_lab.lab.scenarios.moe import experts_microbenchmark, routing_stats
-from fastsft_lab.models import PRESETS, LoraSettings, build_model, decoder_layers, get_preset
+from fastsft_lab.models import PRESETS, LoraSettings, build_model, get_preset
+from fastsft_lab.structure import decoder_layers
 from fastsft_lab.moe import (MODES, experts_implementation, experts_modules, get_moe_routing, group_by_expert,
                              moe_routing, quantize_experts_nf4, set_moe_routing)
 from fastsft_lab.profiling import SyncCounter
@@ -37,16 +38,25 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 # --- helpers -----------------------------------------------------------------------------------------------------
+# the config names of each MoE family's expert width and expert count (transformers 5.17)
+EXPERT_SIZE_KEYS = {"gpt_oss": ("intermediate_size", "num_local_experts"),
+                    "qwen3_moe": ("moe_intermediate_size", "num_experts"),
+                    "mixtral": ("intermediate_size", "num_local_experts")}
+
+
 def make_experts(family: str, *, hidden: int = 16, inter: int = 8, experts: int = 6, top_k: int = 2,
                  dtype=torch.float32, device="cpu", seed: int = 0):
-    """A standalone experts module of ``family`` (its record names the config and experts classes and the config keys)
-    with random weights large enough to hit GPT-OSS's clamps (limit 7)."""
+    """A standalone experts module of ``family`` (its record names the config and experts classes) with random
+    weights large enough to hit GPT-OSS's clamps (limit 7)."""
+    import importlib
+
     torch.manual_seed(seed)
     fam = get_family(family)
+    width_key, count_key = EXPERT_SIZE_KEYS[family]
     cfg = fam.config_type()(hidden_size=hidden, num_experts_per_tok=top_k, num_hidden_layers=1, num_attention_heads=2,
-                            num_key_value_heads=1, head_dim=8,
-                            **{fam.experts.width_key: inter, fam.experts.num_experts_key: experts})
-    module = fam.experts_type()(cfg)
+                            num_key_value_heads=1, head_dim=8, **{width_key: inter, count_key: experts})
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    module = getattr(modeling, fam.experts.class_name)(cfg)
     module = module.to(device=device, dtype=dtype)
     with torch.no_grad():
         for name, p in module.named_parameters():

@@ -8,7 +8,8 @@ import torch
 
 from fastsft_lab import evidence as EV
 from fastsft_lab import offload as O
-from fastsft_lab.models import LoraSettings, build_model, decoder_layers
+from fastsft_lab.models import LoraSettings, build_model
+from fastsft_lab.structure import decoder_layers
 
 from _offload_helpers import _batch, _model
 

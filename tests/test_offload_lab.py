@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fastsft_lab import offload as O
-from fastsft_lab.models import decoder_layers
+from fastsft_lab.structure import decoder_layers
 
 from _offload_helpers import _batch, _enable, _model
 

@@ -12,7 +12,8 @@ from fastsft_lab import offload as O
 from fastsft_lab.data import benchmark_batches
 from fastsft_lab.lab.scenarios.offload_link import (LinkPacer, PacedStreamOps, crossing, link_measured,
                                                     model_step_ms, pace_plan)
-from fastsft_lab.models import LoraSettings, build_model, decoder_layers
+from fastsft_lab.models import LoraSettings, build_model
+from fastsft_lab.structure import decoder_layers
 from fastsft_lab.offload import StreamOps, check_stream_order
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")

@@ -12,7 +12,7 @@ import torch
 
 from fastsft_lab import offload as O
 from fastsft_lab.offload import StreamOps
-from fastsft_lab.models import decoder_layers
+from fastsft_lab.structure import decoder_layers
 
 from _offload_helpers import _batch, _step, _assert_same, _enable, _model, SecondBufferFails
 

@@ -12,7 +12,8 @@ import torch
 from fastsft_lab import offload as O
 from fastsft_lab.data import pack_examples, synthetic_corpus
 from fastsft_lab.offload import CheckpointingSwitch
-from fastsft_lab.models import LoraSettings, build_model, decoder_layers
+from fastsft_lab.models import LoraSettings, build_model
+from fastsft_lab.structure import decoder_layers
 from fastsft_lab.profiling import SyncCounter
 
 from _offload_helpers import MODES, MODE_IDS, _batch, _step, _assert_same, _enable, _standard, _offloaded, _model

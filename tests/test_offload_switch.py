@@ -9,7 +9,8 @@ from torch import nn
 from fastsft_lab import offload as O
 from fastsft_lab.offload import CheckpointingSwitch
 from fastsft_lab.offload.checkpoint import LayerCheckpointFunc
-from fastsft_lab.models import LoraSettings, build_model, decoder_layers
+from fastsft_lab.models import LoraSettings, build_model
+from fastsft_lab.structure import decoder_layers
 
 from _offload_helpers import _batch, _step, _assert_same, _model
 

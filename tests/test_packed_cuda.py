@@ -19,7 +19,8 @@ from fastsft_lab.packing import (
 )
 from fastsft_lab.packing.backends import eager as E, flex as FX, sdpa as S, segments as SG, varlen as V
 from fastsft_lab.data import unpack
-from fastsft_lab.models import LoraSettings, build_model, decoder_layers, get_preset
+from fastsft_lab.models import LoraSettings, build_model, get_preset
+from fastsft_lab.structure import decoder_layers
 from fastsft_lab.profiling import SyncCounter
 
 from _packed_helpers import PRESETS, make_batch, lora_grads, assert_close_scaled

@@ -21,7 +21,8 @@ from fastsft_lab.packing import (
     set_packed_metadata_cache,
 )
 from fastsft_lab.data import synthetic_corpus, unpack
-from fastsft_lab.models import base_model, decoder_layers, family_of, get_preset
+from fastsft_lab.models import get_preset
+from fastsft_lab.structure import base_model, decoder_layers, family_of
 from fastsft_lab.profiling import SyncCounter
 
 from _packed_helpers import PRESETS, make_batch, make_model, lora_grads, assert_close_scaled, _family

@@ -19,7 +19,8 @@ from fastsft_lab.packing import (
     packed_inputs,
     set_packed_metadata_cache,
 )
-from fastsft_lab.models import base_model, build_model, decoder_layers
+from fastsft_lab.models import build_model
+from fastsft_lab.structure import base_model, decoder_layers
 
 from _packed_helpers import PRESETS, make_batch, make_model, _family
 

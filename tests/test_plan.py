@@ -14,7 +14,8 @@ import torch
 import fastsft_lab
 from fastsft_lab.data import benchmark_batches
 from fastsft_lab.lab.scenarios.budget import ranked
-from fastsft_lab.models import LoraSettings, build_model, decoder_layers
+from fastsft_lab.models import LoraSettings, build_model
+from fastsft_lab.structure import decoder_layers
 from fastsft_lab.offload import plan as P
 from fastsft_lab.offload.solver import alive
 

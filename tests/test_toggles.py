@@ -5,7 +5,8 @@ import torch
 
 import fastsft_lab
 from fastsft_lab.data import benchmark_batches
-from fastsft_lab.models import LoraSettings, build_model, decoder_layers
+from fastsft_lab.models import LoraSettings, build_model
+from fastsft_lab.structure import decoder_layers
 
 
 def _loss_and_grads(model, batch):
@@ -27,7 +28,7 @@ def moe_model():
 def test_apply_all_three_then_revert_restores_original(moe_model):
     model = moe_model
     batch = benchmark_batches(tokens_per_step=192, row_tokens=96, steps=1, vocab_size=256, mix="short")[0]
-    base = fastsft_lab.models.base_model(model)
+    base = fastsft_lab.structure.base_model(model)
     original_attn = base.config._attn_implementation
     original_experts = base.config._experts_implementation
     original_funcs = [layer._gradient_checkpointing_func for layer in decoder_layers(model)]
@@ -91,12 +92,12 @@ def test_revert_turns_off_the_checkpointing_apply_turned_on():
 
 @pytest.mark.parametrize("stock", ["eager", "grouped_mm", "batched_mm"])
 def test_revert_restores_the_experts_after_a_stock_name(moe_model, stock):
-    original = fastsft_lab.models.base_model(moe_model).config._experts_implementation
+    original = fastsft_lab.structure.base_model(moe_model).config._experts_implementation
     state = fastsft_lab.apply(moe_model, moe_routing=stock)
     assert state.moe_routing == stock
     fastsft_lab.apply(moe_model, moe_routing="grouped")
     assert fastsft_lab.revert(moe_model).moe_routing is None
-    assert fastsft_lab.models.base_model(moe_model).config._experts_implementation == original
+    assert fastsft_lab.structure.base_model(moe_model).config._experts_implementation == original
 
 
 def test_apply_validates_everything_before_changing_anything():

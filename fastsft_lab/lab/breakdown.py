@@ -54,7 +54,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from ..models import base_model, decoder_layers
+from ..structure import base_model, decoder_layers
 
 CATEGORIES = {
     "attention": "attention",

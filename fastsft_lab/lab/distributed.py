@@ -32,7 +32,8 @@ import torch.distributed as dist
 import fastsft_lab
 from fastsft_lab.data import PackedBatch, pack_examples, synthetic_corpus
 from fastsft_lab.loss import set_router_loss_scope
-from fastsft_lab.models import LoraSettings, base_model, build_model, decoder_layers, get_preset
+from fastsft_lab.models import LoraSettings, build_model, get_preset
+from fastsft_lab.structure import base_model, decoder_layers, family_of
 
 # case name -> (wrapper, preset, lora, switches, apply before wrapping[, router loss scope[, collator]])
 CASES: dict[str, tuple] = {
@@ -84,7 +85,8 @@ def _model(preset: str, lora: bool, router_loss: bool = False) -> torch.nn.Modul
         # one expert of layer 0 gets no token on any rank: the empty group goes through sync_free, DDP and the
         # reduction of the experts' LoRA gradients (its rows stay zero)
         with torch.no_grad():
-            base_model(model).model.layers[0].mlp.router.bias[IDLE_EXPERT] = -1e4
+            router = getattr(decoder_layers(model)[0].mlp, family_of(model).experts.router)   # the record's router
+            router.bias[IDLE_EXPERT] = -1e4
     torch.manual_seed(7)
     for n, p in model.named_parameters():      # PEFT starts lora_B at zero: give every adapter a gradient path
         if "lora_B" in n:
@@ -183,7 +185,7 @@ def _wrap(model: torch.nn.Module, wrapper: str) -> torch.nn.Module:
     raise ValueError(f"unknown wrapper {wrapper!r}; valid: ddp, fsdp2")
 
 
-def _apply(model: torch.nn.Module, switches: dict) -> None:
+def _apply_switches(model: torch.nn.Module, switches: dict) -> None:
     """``fastsft_lab.apply(model, **switches)``; a ``plan`` among them is then fixed with ``set_plan``, every saved
     activation of its offload_saved layers moved (the tiny models' are all under the default size it leaves)."""
     switches = dict(switches)
@@ -215,12 +217,12 @@ def run_case(name: str) -> dict | None:
     counts = [torch.zeros_like(n_local) for _ in range(world)]
     dist.all_gather(counts, n_local)
     if before:
-        _apply(model, switches)
+        _apply_switches(model, switches)
     if scope is not None:
         set_router_loss_scope(model, scope)
     wrapped = _wrap(model, wrapper)
     if not before:
-        _apply(wrapped, switches)
+        _apply_switches(wrapped, switches)
     state = str(fastsft_lab.state(wrapped))
     holder = {}
     per_expert = _tokens_per_expert(model, lambda: holder.setdefault("out", wrapped(**mine, num_items_in_batch=n_global)))
@@ -232,12 +234,12 @@ def run_case(name: str) -> dict | None:
     if rank != 0:
         return None
     ref_model = _model(preset, lora, router_loss=scope is not None)     # one process: the stock router loss
-    _apply(ref_model, switches)
+    _apply_switches(ref_model, switches)
     ref_out = ref_model(**reference, num_items_in_batch=_n_items(reference["labels"]))
     ref_out.loss.backward()
     ref = _grads(ref_model)
     local_model = _model(preset, lora, router_loss=scope is not None)   # rank 0's own row alone
-    _apply(local_model, switches)
+    _apply_switches(local_model, switches)
     (local_model(**mine, num_items_in_batch=n_global).loss * world).backward()
     local = _grads(local_model)
     diffs, missing, zero = {}, [], []

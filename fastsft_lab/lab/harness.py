@@ -25,7 +25,7 @@ from torch import nn
 
 from ..data import PackedBatch
 from ..env import environment
-from ..models import base_model
+from ..structure import base_model
 from ..packing.metadata import BuildLog
 from ..packing.switch import packed_attention_state
 from ..profiling import PhaseTimer, SyncCounter, current_memory, peak_memory, percentiles, reset_peak_memory

@@ -21,7 +21,7 @@ from torch import nn
 import fastsft_lab
 
 from ..data import PackedBatch
-from ..models import model_device
+from ..structure import model_device
 from ..moe import experts_modules
 from ..packing import available_backends, packed_inputs
 from ..profiling import PhaseTimer, SyncCounter, peak_memory, percentiles, reset_peak_memory
@@ -90,12 +90,12 @@ class Switchboard:
             raise ValueError(f"moe must be off, naive, grouped or sync_free, got {new.moe!r}")
         if new.buffers not in (0, 1, 2):
             raise ValueError(f"buffers must be 0, 1 or 2, got {new.buffers!r}")
-        self._apply(new)
+        self._apply_setting(new)
         self.setting = new
         self._sync_widgets()
         return new
 
-    def _apply(self, s: Setting) -> None:
+    def _apply_setting(self, s: Setting) -> None:
         # the whole setting in one apply: every switch on, in its mode, or "off" (no revert in between)
         kwargs = {"offload_buffers": s.buffers, "fused_loss": s.fused_loss, "packed_attention": s.backend}
         if s.buffers == 2:

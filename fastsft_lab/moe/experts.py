@@ -24,9 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gate import fused_glu_available, gpt_oss_glu, is_gpt_oss_gate, is_silu_gate, silu_glu
+from .._compat import experts_gate
+from .gate import GATES, fused_glu_available
 from .grouping import combine, group_by_expert, inverse_permutation, tokens_in_expert_order
 from .matmul import ContiguousGrad, grouped_mm, grouped_mm_unavailable
+from .modules import spec_of
 from .modules import top_k_weights as routing_top_k
 from .nf4 import NF4_ATTR, NF4GroupedMM, NF4Weight, expert_matmul, expert_weight, is_nf4, mat_b, nf4_checked
 
@@ -53,6 +55,7 @@ def naive_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_in
     weights it dequantizes only the experts that were hit.
     """
     nf4 = nf4_checked(self)
+    bias = spec_of(self).bias
     top_k_weights = routing_top_k(self, top_k_index, top_k_weights)
     final_hidden_states = torch.zeros_like(hidden_states)
     with torch.no_grad():
@@ -69,11 +72,11 @@ def naive_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_in
         current_state = hidden_states[token_idx]
         e = int(expert_idx) if nf4 else expert_idx
         gate_up = expert_matmul(self, "gate_up_proj", current_state, e, w_gate_up)
-        if self.has_bias:
+        if bias:
             gate_up = gate_up + self.gate_up_proj_bias[expert_idx]
-        current = self._apply_gate(gate_up)
+        current = experts_gate(self, gate_up)
         current = expert_matmul(self, "down_proj", current, e, w_down)
-        if self.has_bias:
+        if bias:
             current = current + self.down_proj_bias[expert_idx]
         current = current * top_k_weights[token_idx, top_k_pos, None]
         final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
@@ -92,6 +95,8 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
     if num_tokens == 0:
         return torch.zeros_like(hidden_states)
     nf4 = nf4_checked(self)
+    spec = spec_of(self)
+    biased_addmm = spec.bias and not nf4 and spec.transposed      # the bias folded into the matmul
     top_k_weights = routing_top_k(self, top_k_index, top_k_weights)
     sorted_ids, perm, ends = group_by_expert(top_k_index, self.num_experts)
     with torch.profiler.record_function(HOST_READ_LABEL):
@@ -106,18 +111,18 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
         if end == start:  # an expert that got no tokens: nothing to launch
             continue
         xe = x[start:end]
-        if self.has_bias and not nf4 and self.is_transposed:
+        if biased_addmm:
             gate_up = torch.addmm(self.gate_up_proj_bias[e], xe, w_gate_up[e])
         else:
             gate_up = expert_matmul(self, "gate_up_proj", xe, e, w_gate_up)
-            if self.has_bias:
+            if spec.bias:
                 gate_up = gate_up + self.gate_up_proj_bias[e]
-        act = self._apply_gate(gate_up)
-        if self.has_bias and not nf4 and self.is_transposed:
+        act = experts_gate(self, gate_up)
+        if biased_addmm:
             out = torch.addmm(self.down_proj_bias[e], act, w_down[e])
         else:
             out = expert_matmul(self, "down_proj", act, e, w_down)
-            if self.has_bias:
+            if spec.bias:
                 out = out + self.down_proj_bias[e]
         outputs.append(out)
         start = end
@@ -165,12 +170,13 @@ def sync_free_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
     inv = inverse_permutation(perm)
     x = tokens_in_expert_order(hidden_states, perm, inv, k)  # (S, H) rows in expert order
     gate_up = grouped_proj(self, "gate_up_proj", x, offs)  # (S, 2I)
-    gpt_oss = is_gpt_oss_gate(self)
-    if gpt_oss and self.has_bias and fused_glu_available(gate_up):
+    spec = spec_of(self)
+    gate = GATES[spec.gate]                                # the record's gate kind
+    if spec.bias and gate.apply_with_bias is not None and fused_glu_available(gate_up):
         # the fused gate adds each row's expert bias as it reads gate_up: no (S, 2I) biased copy
-        act = gpt_oss_glu(gate_up, self.alpha, self.limit, bias=self.gate_up_proj_bias, expert_ids=sorted_ids)
+        act = gate.apply_with_bias(self, gate_up, sorted_ids)
     else:
-        if self.has_bias:
+        if spec.bias:
             # Per-row bias of the row's expert = one_hot(expert) @ bias: one GEMM over (S, E) x (E, 2I) that reads
             # and writes gate_up once, instead of gathering an (S, 2I) bias tensor and adding it.
             # (A comparison, not scatter_(..., 1.0): torch 2.11's inductor lowers that scatter to a float32 tensor
@@ -178,15 +184,10 @@ def sync_free_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
             experts = torch.arange(num_experts, device=sorted_ids.device, dtype=sorted_ids.dtype)
             one_hot = (sorted_ids.unsqueeze(1) == experts).to(gate_up.dtype)
             gate_up = torch.addmm(gate_up, one_hot, self.gate_up_proj_bias.to(gate_up.dtype))
-        if gpt_oss:
-            act = gpt_oss_glu(gate_up, self.alpha, self.limit)  # fused Triton kernel on CUDA
-        elif is_silu_gate(self):
-            act = silu_glu(gate_up)  # fused Triton kernel on CUDA (Qwen3-MoE)
-        else:
-            act = self._apply_gate(gate_up)  # (S, I)
+        act = gate.apply(self, gate_up)  # (S, I); a fused Triton kernel on CUDA (GPT-OSS's GLU, the SiLU gate)
     y = grouped_proj(self, "down_proj", act, offs)  # (S, H)
     out = combine(y, perm, inv, top_k_weights)  # (T, H)
-    if self.has_bias:
+    if spec.bias:
         # sum_j w_tj * b[e_tj] = (routing weights scattered to (T, E)) @ bias: exact, and tiny next to (S, H).
         dense = top_k_weights.new_zeros(num_tokens, num_experts).scatter(1, top_k_index, top_k_weights)
         out = torch.addmm(out, dense.to(out.dtype), self.down_proj_bias.to(out.dtype))

@@ -1,24 +1,16 @@
 """The experts' gated activations - GPT-OSS's clamped GLU and the SiLU gate of Qwen3-MoE - each as the eager expression
-and one fused Triton kernel each way on CUDA."""
+and one fused Triton kernel each way on CUDA; :data:`GATES` maps the record's gate kind to its :class:`Gate`."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
+from .._compat import experts_gate
 from .._util import KernelSwitch, on_device_of, pow2_ceil
-from ..families import experts_family
-
-
-def _gate_of(module: nn.Module) -> str | None:
-    """The experts module's gate, as its family's record names it (None: not an experts module of the record)."""
-    family = experts_family(module)
-    return family.experts.gate if family is not None and family.experts is not None else None
-
-
-def is_gpt_oss_gate(module: nn.Module) -> bool:
-    """GPT-OSS's clamped GLU (interleaved gate/up, ``alpha`` / ``limit`` on the module)."""
-    return _gate_of(module) == "gpt_oss_glu"
 
 
 def eager_gpt_oss_glu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -240,15 +232,6 @@ def gpt_oss_glu(gate_up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0,
     return eager_gpt_oss_glu(gate_up, alpha, limit)
 
 
-def is_silu_gate(module: nn.Module) -> bool:
-    """transformers' default gate ``act_fn(gate) * up`` on concatenated halves (the record's ``"act_glu"``: Qwen3-MoE,
-    Mixtral) with a SiLU: the config's ``hidden_act`` picks the act, so the module's act is what decides."""
-    if _gate_of(module) != "act_glu":
-        return False
-    act = getattr(module, "act_fn", None)
-    return isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
-
-
 def silu_glu(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` on (S, 2I) concatenated halves: one fused Triton kernel each way on CUDA, eager elsewhere."""
     if fused_glu_available(gate_up):
@@ -257,5 +240,37 @@ def silu_glu(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-__all__ = ["gpt_oss_glu", "eager_gpt_oss_glu", "is_gpt_oss_gate", "fused_glu_available", "set_fused_glu",
-           "is_silu_gate", "silu_glu"]
+def _silu_act(module: nn.Module) -> bool:
+    """The config's ``hidden_act`` picks the act of transformers' default gate, so the module's act decides."""
+    act = getattr(module, "act_fn", None)
+    return isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
+
+
+def _act_glu(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    return silu_glu(gate_up) if _silu_act(module) else experts_gate(module, gate_up)
+
+
+@dataclass(frozen=True)
+class Gate:
+    """One gate kind of the family record: ``apply(module, gate_up)`` the (S, 2I) -> (S, I) activation of
+    ``sync_free`` (fused on CUDA where ``fused(module)``); ``apply_with_bias(module, gate_up, expert_ids)`` adds each
+    row's expert bias inside the fused kernel (None: the bias is added before ``apply``)."""
+
+    apply: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    fused: Callable[[nn.Module], bool]
+    apply_with_bias: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+
+GATES: dict[str, Gate] = {
+    # GPT-OSS: interleaved gate/up, clamped at ``limit``; the fused kernel reads the expert bias in place
+    "gpt_oss_glu": Gate(apply=lambda m, gate_up: gpt_oss_glu(gate_up, m.alpha, m.limit),
+                        fused=lambda m: True,
+                        apply_with_bias=lambda m, gate_up, ids: gpt_oss_glu(gate_up, m.alpha, m.limit,
+                                                                            bias=m.gate_up_proj_bias,
+                                                                            expert_ids=ids)),
+    # transformers' default act_fn(gate) * up on concatenated halves (Qwen3-MoE, Mixtral): fused when the act is SiLU
+    "act_glu": Gate(apply=_act_glu, fused=_silu_act),
+}
+
+
+__all__ = ["GATES", "Gate", "gpt_oss_glu", "eager_gpt_oss_glu", "fused_glu_available", "set_fused_glu", "silu_glu"]

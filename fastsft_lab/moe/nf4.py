@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .matmul import grouped_mm
-from .modules import experts_modules
+from .modules import experts_modules, spec_of
 
 NF4_ATTR = "_fastsft_nf4"                     # NF4 metadata on an experts module (see quantize_experts_nf4)
 
@@ -53,9 +53,9 @@ def expert_weight(module: nn.Module, name: str) -> torch.Tensor:
 
 
 def mat_b(module: nn.Module, w: torch.Tensor) -> torch.Tensor:
-    """(E, in, out) orientation for ``x @ w[e]`` / grouped_mm: GPT-OSS stores it so (``is_transposed``), Qwen3-MoE
-    stores (E, out, in) for ``F.linear``; a transposed view costs nothing (grouped_mm takes either layout)."""
-    return w if module.is_transposed else w.transpose(-2, -1)
+    """(E, in, out) orientation for ``x @ w[e]`` / grouped_mm: GPT-OSS stores it so (the record's ``transposed``),
+    Qwen3-MoE stores (E, out, in) for ``F.linear``; a transposed view costs nothing (grouped_mm takes either layout)."""
+    return w if spec_of(module).transposed else w.transpose(-2, -1)
 
 
 class NF4Weight:
@@ -85,8 +85,8 @@ class NF4Weight:
         """All experts (E, ., .) or one expert (., .), in the module's layout and compute dtype."""
         from bitsandbytes.functional import dequantize_4bit
 
-        packed = self.module._buffers[f"{self.name}_nf4"]
-        absmax = self.module._buffers[f"{self.name}_absmax"]
+        packed = getattr(self.module, f"{self.name}_nf4")          # buffers (nn.Module.__getattr__)
+        absmax = getattr(self.module, f"{self.name}_absmax")
         per_expert = math.prod(self.shape[1:])
         if expert is None:
             flat = dequantize_4bit(packed.reshape(-1), self._state(absmax.reshape(-1), packed.numel() * 2))
@@ -96,7 +96,7 @@ class NF4Weight:
 
     def mat_b(self, expert: int | None = None) -> torch.Tensor:
         w = self.dequantize(expert)
-        if self.module.is_transposed:
+        if spec_of(self.module).transposed:
             return w
         return w.transpose(-2, -1)
 
@@ -138,7 +138,7 @@ def expert_matmul(module: nn.Module, name: str, x: torch.Tensor, expert: int,
     if weight is None:
         return _NF4ExpertMatmul.apply(x, NF4Weight(module, name), expert)
     w = weight[expert]
-    return x @ w if module.is_transposed else F.linear(x, w)
+    return x @ w if spec_of(module).transposed else F.linear(x, w)
 
 
 
@@ -189,7 +189,7 @@ def quantize_experts_nf4(model: nn.Module, *, blocksize: int = 64, compute_dtype
         _check_nf4_not_lora(module)
         meta: dict[str, Any] = {"blocksize": blocksize, "shapes": {}, "dtype": None}
         for name in ("gate_up_proj", "down_proj"):
-            param = module._parameters.get(name)
+            param = dict(module.named_parameters(recurse=False)).get(name)
             if param is None:
                 raise ValueError(f"{type(module).__name__} has no parameter {name!r} to quantize")
             per_expert = math.prod(param.shape[1:])
@@ -201,7 +201,7 @@ def quantize_experts_nf4(model: nn.Module, *, blocksize: int = 64, compute_dtype
                 packed, state = quantize_4bit(param.detach().reshape(-1).contiguous(), blocksize=blocksize,
                                               compress_statistics=False, quant_type="nf4")
             num_experts = param.shape[0]
-            del module._parameters[name]
+            delattr(module, name)
             module.register_buffer(f"{name}_nf4", packed.view(num_experts, per_expert // 2))
             module.register_buffer(f"{name}_absmax", state.absmax.view(num_experts, per_expert // blocksize))
             meta["shapes"][name] = param.shape
@@ -228,7 +228,7 @@ def nf4_expert_bytes(model: nn.Module) -> dict[str, int]:
         if not is_nf4(m):
             continue
         for name in ("gate_up_proj", "down_proj"):
-            packed, absmax = m._buffers[f"{name}_nf4"], m._buffers[f"{name}_absmax"]
+            packed, absmax = getattr(m, f"{name}_nf4"), getattr(m, f"{name}_absmax")
             nf4 += packed.numel() * packed.element_size() + absmax.numel() * absmax.element_size()
             bf16 += math.prod(getattr(m, NF4_ATTR)["shapes"][name]) * 2
     return {"nf4_bytes": nf4, "bf16_bytes": bf16}

@@ -4,7 +4,7 @@ The three forwards of :mod:`.experts` are registered once, at import, in
 ``transformers.integrations.moe.ExpertsInterface`` (as ``fastsft_naive`` / ``fastsft_grouped`` /
 ``fastsft_sync_free``); the decorated experts modules of the model-family record (``GptOssExperts``,
 ``Qwen3MoeExperts``, ``MixtralExperts``: :mod:`fastsft_lab.families`) then dispatch on
-``config._experts_implementation``, which :data:`MOE` (``apply(moe_routing=...)``, or :func:`set_moe_routing`)
+its config's experts implementation (:data:`fastsft_lab._compat.EXPERTS_IMPLEMENTATION`), which :data:`MOE` (``apply(moe_routing=...)``, or :func:`set_moe_routing`)
 changes with the model's public ``set_experts_implementation``. What each config held before the first switch
 (``grouped_mm`` for models built by ``from_config`` in transformers 5.x, ``eager`` if it was asked for) is kept in
 the model's restore log and put back by ``set_moe_routing(model, None)``.
@@ -80,7 +80,7 @@ def _mode_of(impl: str | None) -> str | None:
 
 
 def experts_implementation(model: nn.Module) -> str | None:
-    """The raw ``config._experts_implementation`` of the model's experts (e.g. ``grouped_mm``, ``fastsft_grouped``)."""
+    """The raw experts implementation of the model's experts' config (e.g. ``grouped_mm``, ``fastsft_grouped``)."""
     mods = experts_modules(model)
     return experts_implementation_of(mods[0].config) if mods else None
 

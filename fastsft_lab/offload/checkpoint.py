@@ -1,8 +1,8 @@
 """The checkpoint function of offloaded checkpointing: what each decoder layer's checkpoint call runs.
 
-It plugs into transformers' own extension point: ``GradientCheckpointingLayer.__call__`` calls
-``self._gradient_checkpointing_func(partial(super().__call__, **kwargs), *args)``; the switch sets that attribute
-(and ``gradient_checkpointing = True``) on each decoder layer, so it works under PEFT/QLoRA wrappers and keeps every
+It plugs into transformers' own extension point: ``GradientCheckpointingLayer.__call__`` calls the layer's
+checkpoint function (:data:`fastsft_lab._compat.CHECKPOINT_FUNCTION`) with ``partial(super().__call__, **kwargs)``;
+the switch sets that function (and ``gradient_checkpointing = True``) on each decoder layer, so it works under PEFT/QLoRA wrappers and keeps every
 kwarg (rotary cos/sin, masks, optimization 1's ``packed_metadata``) for the recompute untouched.
 
 * forward: the layer runs with grad mode on but keeps nothing (a ``saved_tensors_hooks`` pair drops what autograd

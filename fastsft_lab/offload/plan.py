@@ -63,7 +63,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .._compat import TorchDispatchMode, is_fsdp2, pytree
+from .._compat import ATEN_MATMUL_AND_ATTENTION, TorchDispatchMode, is_fsdp2, pytree, tensor_version
 from .._util import pow2_ceil
 from ..restore import Optimization, changes, is_on, record, undo
 from ..structure import base_model, decoder_layers, model_device
@@ -80,10 +80,8 @@ logger = logging.getLogger(__name__)
 # The ops whose outputs the selective choice saves: the matmuls and attention kernels (the expensive part of a layer,
 # recomputing them costs as much as the forward). Everything else (norms, rotary, activations, residual adds,
 # dequantisation) is recomputed.
-_SAVED_OP_NAMES = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_dot_product_flash_attention",
-                   "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-                   "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward")
-SAVED_OPS = frozenset(getattr(torch.ops.aten, n) for n in _SAVED_OP_NAMES if hasattr(torch.ops.aten, n))
+SAVED_OPS = frozenset((torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
+                       *ATEN_MATMUL_AND_ATTENTION))
 # Quantised matmuls are custom ops a dispatch mode sees whole (their dequantisation and matmul inside): QLoRA's
 # NF4 projections run as ``bitsandbytes::gemm_4bit``. Saved once bitsandbytes has registered it.
 _SAVED_CUSTOM_OPS = (("bitsandbytes", "gemm_4bit"),)
@@ -162,7 +160,7 @@ class _SavedBytes:
                     for t in pytree.tree_leaves(out):
                         if isinstance(t, torch.Tensor):
                             st = t.untyped_storage()
-                            counter.selective[st.data_ptr()] = (st.nbytes(), func.overloadpacket, t, t._version)
+                            counter.selective[st.data_ptr()] = (st.nbytes(), func.overloadpacket, t, tensor_version(t))
                 return out
 
         return _Outputs()
@@ -254,7 +252,7 @@ def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Te
     readings["pinned"] = sum(pow2_ceil(b) for b in small_saved if b >= SAVED_MIN_BYTES)
     del out
     records = [r for p, r in count.selective.items() if p != inp.untyped_storage().data_ptr()]
-    unsaved = frozenset(op for _, op, t, version in records if t._version != version)
+    unsaved = frozenset(op for _, op, t, version in records if tensor_version(t) != version)
     selective = in_bytes + sum(b for b, op, _, _ in records if op not in unsaved)
     # the records hold every recorded op's output, graph and all, and that graph's saved tensors hold this
     # recorder's pack hook: a cycle through C++ that no garbage collection frees, unless the records go here

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._compat import tensor_version
 from .streams import StreamOps
 
 MIN_BYTES = 1 << 20          # saved tensors smaller than this stay on the device: the copy's fixed cost outweighs them
@@ -143,7 +144,7 @@ class SavedOffload:
                                                           self._unpack):
                 yield group
         finally:
-            changed = [t for t, (*_, version) in zip(group.sources, group.by_view) if t._version != version]
+            changed = [t for t, (*_, version) in zip(group.sources, group.by_view) if tensor_version(t) != version]
             held = [(e.key("activation"), t) for e, t in zip(group.entries, group.sources)]
             group.sources = []
             group.by_view.clear()
@@ -184,7 +185,7 @@ class SavedOffload:
             # grad_fn, a cycle through C++ that no garbage collection frees when the forward is not followed by a
             # backward (a loss computed under grad and dropped)
             return t.detach()
-        view = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+        view = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, tensor_version(t))
         entry = group.by_view.get(view)
         if entry is None:
             entry = self._store(group, t)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .._compat import (ATTN_IMPLEMENTATION, assert_async, attn_implementation, set_attn_implementation_of)
+from ..families import router_aux_loss
 from ..model_state import ModelState, state
 from ..restore import Optimization, changes, is_on, record
 from ..structure import base_model, decoder_layers, model_device
@@ -263,7 +264,7 @@ def enable(model: nn.Module, settings: PackedAttention) -> None:
         inner = _inner_model(model)
         log.hook(inner.register_forward_pre_hook(pre, with_kwargs=True))
         log.hook(inner.register_forward_hook(post, with_kwargs=True, always_call=True))
-        if hasattr(base.config, "router_aux_loss_coef"):
+        if router_aux_loss(base.config):
             log.hook(base.register_forward_pre_hook(_router_loss_mask(base), with_kwargs=True))
         log.set(base, "generate", _generate_through_original_attention(base))
     st.backend, st.cache, st.check_batch = settings.backend, settings.cache, settings.check_batch
@@ -321,7 +322,7 @@ def set_packed_metadata_cache(model: nn.Module, enabled: bool) -> ModelState:
 
 
 def disable_packed_attention(model: nn.Module) -> ModelState:
-    """Undo :func:`enable_packed_attention`: the exact original ``config._attn_implementation``, no hook left."""
+    """Undo :func:`enable_packed_attention`: the model's own attention implementation again, no hook left."""
     PACKED.disable(model)
     return state(model)
 

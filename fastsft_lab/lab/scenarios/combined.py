@@ -36,9 +36,11 @@ from torch import nn
 
 from ...data import benchmark_batches
 from ...env import environment, package_version
+from ..._compat import compiled_call, forward_hooks, remove_forward_hook, set_compiled_call
 from ...dequant import fused_dequant_targets
 from ...lora import fused_lora_targets
-from ...models import LoraSettings, base_model, build_model, decoder_layers, get_preset
+from ...models import LoraSettings, build_model, get_preset
+from ...structure import base_model, decoder_layers
 from ...packing import PackedAttention, packed_inputs
 from ...toggles import apply
 from ..flops import peak_flops
@@ -91,15 +93,15 @@ def compile_layers(model: nn.Module) -> int:
     for layer in layers:
         if _COMPILED not in layer.__dict__:
             layer.compile()
-            layer.__dict__[_COMPILED] = layer._compiled_call_impl
-        layer._compiled_call_impl = layer.__dict__[_COMPILED]   # what nn.Module.compile sets and __call__ reads
+            layer.__dict__[_COMPILED] = compiled_call(layer)
+        set_compiled_call(layer, layer.__dict__[_COMPILED])   # what nn.Module.compile sets and __call__ reads
     return len(layers)
 
 
 def uncompile_layers(model: nn.Module) -> None:
     """The decoder layers back to their eager forward (the compiled callables are kept for the next switch-on)."""
     for layer in decoder_layers(model):
-        layer._compiled_call_impl = None
+        set_compiled_call(layer, None)
 
 
 class TRLActivationOffloading:
@@ -119,17 +121,18 @@ class TRLActivationOffloading:
 
         entry = self._built.get(model)
         if entry is None:
-            before = {id(m): set(m._forward_pre_hooks) | set(m._forward_hooks) for m in model.modules()}
+            before = {id(m): set(forward_hooks(m)[0]) | set(forward_hooks(m)[1]) for m in model.modules()}
             context = get_act_offloading_ctx_manager(model, warn_if_no_head=False)
             hooks, keys = [], []
             for m in model.modules():
-                for key, hook in m._forward_pre_hooks.items():
+                pre, post, always_called = forward_hooks(m)
+                for key, hook in pre.items():
                     if key not in before.get(id(m), ()):
                         hooks.append((m, hook, None))
                         keys.append((m, key))
-                for key, hook in m._forward_hooks.items():
+                for key, hook in post.items():
                     if key not in before.get(id(m), ()):
-                        hooks.append((m, hook, key in m._forward_hooks_always_called))
+                        hooks.append((m, hook, key in always_called))
                         keys.append((m, key))
             self._built[model] = [context, hooks, keys]
         elif entry[2] is None:
@@ -141,9 +144,7 @@ class TRLActivationOffloading:
         if entry is None or entry[2] is None:
             return
         for module, key in entry[2]:
-            for name in ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called",
-                         "_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs"):
-                getattr(module, name, {}).pop(key, None)
+            remove_forward_hook(module, key)
         entry[2] = None
 
     def __call__(self, model: nn.Module):

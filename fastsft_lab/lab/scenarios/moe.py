@@ -18,10 +18,12 @@ from torch import nn
 
 from ...data import benchmark_batches
 from ...families import get_family
-from ...models import LoraSettings, build_model, decoder_layers, get_preset
+from ...models import LoraSettings, build_model, get_preset
+from ...structure import decoder_layers
 from ...moe import experts_modules, fused_glu_available, group_by_expert, grouped_mm, grouped_mm_unavailable, moe_routing
 from ...moe import IMPLEMENTATIONS, quantize_experts_nf4, set_fused_glu, nf4_expert_bytes
-from ...moe.gate import is_gpt_oss_gate, is_silu_gate
+from ...moe.gate import GATES
+from ...moe.modules import spec_of
 from ...moe.kernels import set_fused_combine
 from ...moe.nf4 import NF4_ATTR, NF4Weight, expert_weight, is_nf4, mat_b
 from ...profiling import SyncCounter, time_ms
@@ -128,7 +130,7 @@ def _micro_rows(model, experts, base, hidden, weights, index, grad_out, device, 
         impl, _, flag = spec.partition(":")
         if flag in ("eager_gate", "eager_glue") and not fused_glu_available(hidden):
             continue  # identical to sync_free here
-        if flag == "eager_gate" and not (is_gpt_oss_gate(base) or is_silu_gate(base)):
+        if flag == "eager_gate" and not GATES[spec_of(base).gate].fused(base):
             continue
         fused_before = set_fused_glu(False) if flag in ("eager_gate", "eager_glue") else None
         combine_before = set_fused_combine(False) if flag == "eager_glue" else None

@@ -22,9 +22,11 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from ..._compat import empty_host_cache
 from ..._util import pow2_ceil
 from ...data import benchmark_batches
-from ...models import LoraSettings, base_model, build_model, get_preset, model_device
+from ...models import LoraSettings, build_model, get_preset
+from ...structure import base_model, model_device
 from ...offload import CheckpointingSwitch, OffloadSettings, PinnedPool, StreamOps, offload_manager
 from ...offload.pool import host_memory_available
 from ...toggles import apply
@@ -194,14 +196,10 @@ def estimate_host_bytes(key: str, *, num_layers: int, tokens: int, hidden: int, 
 
 
 def _empty_host_cache() -> None:
-    for name in ("_host_emptyCache", "_cuda_hostEmptyCache"):
-        fn = getattr(torch._C, name, None)
-        if fn is not None:
-            try:
-                fn()
-            except Exception:  # noqa: BLE001 - best effort
-                pass
-            return
+    try:
+        empty_host_cache()
+    except Exception:  # noqa: BLE001 - best effort
+        pass
 
 
 def measure_bandwidth(device: torch.device | str, nbytes: int = 256 << 20, reps: int = 5) -> dict:

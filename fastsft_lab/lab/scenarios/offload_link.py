@@ -48,8 +48,10 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from ..._compat import cuda_sleep
 from ...data import benchmark_batches
-from ...models import LoraSettings, base_model, build_model, get_preset
+from ...models import LoraSettings, build_model, get_preset
+from ...structure import base_model
 from ...offload import OffloadSettings, PinnedPool, StreamOps
 from ...toggles import apply
 from ..harness import (Variant, count_step_syncs, format_derived, format_table, make_optimizer, make_result,
@@ -155,7 +157,7 @@ class PacedStreamOps(StreamOps):
         if self.pacer.method == "sleep":
             self.sleep_cycles += extra
             if self.cuda:
-                torch.cuda._sleep(int(extra))
+                cuda_sleep(int(extra))
             return
         self.pad_bytes += extra
         if not self.cuda:
@@ -207,11 +209,11 @@ def calibrate_sleep(device: torch.device, cycles: tuple[int, int] = (1 << 20, 1 
             for _ in range(12 * reps):
                 a @ a
         with torch.cuda.stream(side):
-            torch.cuda._sleep(n)            # warm-up of this length
+            cuda_sleep(n)            # warm-up of this length
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(side)
             for _ in range(reps):
-                torch.cuda._sleep(n)
+                cuda_sleep(n)
             end.record(side)
         end.synchronize()
         times.append(start.elapsed_time(end) / reps)

@@ -24,7 +24,8 @@ from torch import nn
 from ...data import PackedBatch, benchmark_batches
 from ...families import get_family
 from ..._compat import attn_implementation, set_attn_implementation_of
-from ...models import LoraSettings, base_model, build_model, family_of, get_preset
+from ...models import LoraSettings, build_model, get_preset
+from ...structure import base_model, family_of
 from ...packing import (BACKENDS, PackedMetadata, available_backends, get_backend, packed_inputs, prebuild_metadata,
                         prepare_metadata)
 from ...toggles import apply
@@ -123,7 +124,7 @@ def packed_variants(model: nn.Module, backend: str, device: torch.device, *, sto
 
 def naive_variants(model: nn.Module, backends=("sdpa",), device=None) -> list:
     """Only the naive per-layer variant of each backend (notebook 00 measures it next to the stock path)."""
-    from ...models import model_device
+    from ...structure import model_device
 
     device = torch.device(device) if device is not None else model_device(model)
     return [packed_variants(model, b, device)[0] for b in backends]

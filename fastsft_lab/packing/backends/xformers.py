@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..._compat import xformers_has_cpp_library
 from ..metadata import PackedMetadata, norm_device, norm_window, note_build
 from ..registry import Backend, BackendStatus, register_backend
 from .common import quiet_logger, segment_lengths_naive
@@ -113,7 +114,7 @@ def _status(device: torch.device) -> BackendStatus:
             from xformers.ops.fmha.attn_bias import BlockDiagonalCausalMask
     except Exception as e:  # noqa: BLE001 - any import failure means "not here"
         return BackendStatus("xformers", False, False, f"xformers does not import: {type(e).__name__}: {e}")
-    if getattr(xformers, "_has_cpp_library", True) is False and device.type == "cuda":
+    if not xformers_has_cpp_library(xformers) and device.type == "cuda":
         return BackendStatus("xformers", False, False, "xformers imports, but its C++/CUDA extensions do not load "
                                                        "(built for another torch/CUDA version): masks build, "
                                                        "attention cannot run")
