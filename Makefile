@@ -13,13 +13,15 @@ TEST_CMD = $(BIN)/python -m pytest tests notebooks --nbval-lax --nbval-current-e
 # kernels by ATEN_CPU_CAPABILITY, so a tolerance that only holds for this machine's kernels fails here (tests/conftest.py
 # caps oneDNN at the same level: ONEDNN_MAX_CPU_ISA=AVX2).
 OTHER_CPU ?= default
-NUMERIC_TESTS = tests/test_training.py tests/test_loss.py tests/test_moe.py \
-	tests/test_offload_checkpoint.py tests/test_offload_models.py tests/test_offload_memory.py \
-	tests/test_offload_switch.py tests/test_offload_evidence.py \
-	tests/test_packed_backends.py tests/test_packed_flex.py tests/test_packed_models.py tests/test_packed_switch.py \
-	tests/test_packed_trl.py \
-	tests/test_lora.py tests/test_collated_metadata.py tests/test_compiled_layers.py tests/test_distributed.py \
-	tests/test_padding_free.py tests/test_plan.py tests/test_offload_saved.py tests/test_dequant.py tests/test_toggles.py \
+NUMERIC_TESTS = tests/integration/test_training.py tests/integration/test_loss.py tests/unit/test_moe_experts.py \
+	tests/integration/test_moe_models.py tests/unit/test_offload_checkpoint.py tests/integration/test_offload_models.py \
+	tests/integration/test_offload_memory.py tests/integration/test_offload_switch.py \
+	tests/integration/test_offload_evidence.py tests/unit/test_packed_backends.py tests/unit/test_packed_flex.py \
+	tests/integration/test_packed_models.py tests/integration/test_packed_switch.py tests/integration/test_packed_trl.py \
+	tests/integration/test_lora.py tests/integration/test_collated_metadata.py tests/integration/test_compiled_layers.py \
+	tests/distributed/test_distributed.py tests/integration/test_padding_free.py tests/integration/test_plan_exactness.py \
+	tests/integration/test_plan_switch.py tests/integration/test_offload_saved.py tests/integration/test_dequant.py \
+	tests/integration/test_toggles.py tests/integration/test_restore.py \
 	notebooks/04_all_three_together.ipynb
 
 .PHONY: setup bench test test-other-cpu typecheck mutants clean

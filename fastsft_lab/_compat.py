@@ -1,6 +1,6 @@
 """Every framework name fastsft_lab reads that is private or version-dependent, in one place.
 
-Each accessor says which versions it was checked on; ``tests/test_compat.py`` fails with a clear message when one
+Each accessor says which versions it was checked on; ``tests/unit/test_compat.py`` fails with a clear message when one
 moves, and finds no private torch / transformers / PEFT / ... name in any other file of the package (the lab
 included; its rule is written there). A private attribute a switch writes is named here (``ATTN_IMPLEMENTATION``,
 ``CHECKPOINT_FUNCTION``, ...) and written through the model's restore log (:mod:`fastsft_lab.restore`).

@@ -4,7 +4,7 @@ Presets (:mod:`.models`), detection (:func:`get_family`, ``models.family_of``) a
 of :mod:`.moe`, LoRA targets, the stock attention) read a :class:`ModelFamily` instead of branching on family names
 or sniffing module attributes. Adding a family is one record in :data:`FAMILIES` (plus a preset and its equality
 tests: packed == each sequence alone, experts == transformers' eager experts). Everything here describes
-transformers 5.x's modeling code (checked on 5.17); ``tests/test_families.py`` checks each record against the live
+transformers 5.x's modeling code (checked on 5.17); ``tests/integration/test_families.py`` checks each record against the live
 modules of its tiny preset, so a transformers change that breaks a record fails there, by name.
 
 Packed attention itself stays generic (it reads each layer's ``sliding_window`` / ``s_aux`` call arguments and
@@ -36,7 +36,7 @@ class Attention:
     ``stock``: the attention implementation stock transformers runs the family with (the default of a build).
     ``stock_packs``: stock transformers' masks see packed ``position_ids`` (each packed sequence attends to itself
     only); False where its mask calls never get them and packed sequences attend to the ones before them in the row
-    (GPT-OSS, transformers 5.17; ``tests/test_packed_models.py`` checks every record against the stock path).
+    (GPT-OSS, transformers 5.17; ``tests/integration/test_packed_models.py`` checks every record against the stock path).
     """
 
     windows: Windows

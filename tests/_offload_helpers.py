@@ -1,5 +1,5 @@
-"""Shared by the tests/test_offload_*.py files: the batches and tiny models they run, one training step's loss and
-gradients with standard or offloaded checkpointing, the exact comparison, and stream operations whose second
+"""Shared by the offload tests (tests/*/test_offload_*.py): the batches and tiny models they run, one training step's
+loss and gradients with standard or offloaded checkpointing, the exact comparison, and stream operations whose second
 staging allocation fails (the OOM fallback)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Shared by the tests/test_packed_*.py files: the tiny LoRA models and packed batches they run, their LoRA
+"""Shared by the packed-attention tests (tests/*/test_packed_*.py): the tiny LoRA models and packed batches they run, their LoRA
 gradients, the attention computed one sequence at a time (the definition every packed kernel must match), and
 tiny models of families that are not presets."""
 

@@ -1,10 +1,19 @@
-"""Shared test configuration: `cuda` tests run only where CUDA exists; tests are deterministic."""
+"""Shared test configuration: `cuda` tests run only where CUDA exists; tests are deterministic.
+
+The tests sit by level -- ``unit/`` (one function or module, no model), ``integration/`` (switches on live tiny
+models, the lab's scenarios), ``distributed/`` (several processes on gloo), ``cuda/`` (a GPU's own checks; a
+``cuda``-marked test may also sit beside its CPU twin) -- and share helpers from this folder
+(``_offload_helpers.py``, ``_packed_helpers.py``, ``_plan_helpers.py``, ``_moe_helpers.py``, ``_source_helpers.py``),
+importable from every level.
+"""
 
 import getpass
 import os
 import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # the helpers above, from every level
 
 # One inductor cache per ATEN_CPU_CAPABILITY, set before torch compiles anything: torch 2.13's cache key leaves the
 # capability out, and a CPU kernel cached under the machine's best kernels (avx512) and reused under

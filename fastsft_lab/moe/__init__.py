@@ -20,7 +20,8 @@ store), ``switch.py`` (through transformers' experts registry), ``modules.py`` (
 model-family record).
 
 Equivalence (float32, CPU) with transformers' eager experts - outputs and gradients - is proven in
-``tests/test_moe.py``; notebook 03 walks through it.
+``tests/unit/test_moe_experts.py`` (per layer) and ``tests/integration/test_moe_models.py``; notebook 03 walks
+through it.
 """
 
 from .experts import (FORWARDS, HOST_READ_LABEL, grouped_experts_forward, naive_experts_forward,

@@ -12,7 +12,7 @@ events never order against FSDP's in a way that lets one stream touch what anoth
 FSDP's own orderings must be reported (the model sees FSDP's hazards, not only ours).
 
 What it does not show: that FSDP2 runs these operations in this order on a GPU (read from its source, not traced),
-and anything about NCCL itself. The CPU equality tests (tests/test_distributed.py) show the numbers.
+and anything about NCCL itself. The CPU equality tests (tests/distributed/test_distributed.py) show the numbers.
 """
 
 from __future__ import annotations

@@ -248,7 +248,7 @@ def test_cuda_fused_ce_kernel_at_qwen3_width_matches_fp32_and_syncs_nothing():
 @pytest.mark.parametrize("masked", [False, True])
 def test_router_loss_across_ranks_is_transformers_own_on_one_process(module, masked):
     """On one process the global router loss is transformers' load_balancing_loss_func of that model, to float32
-    rounding (the distributed case against one process: tests/test_distributed.py)."""
+    rounding (the distributed case against one process: tests/distributed/test_distributed.py)."""
     import importlib
 
     from fastsft_lab.loss import load_balancing_loss_across_ranks

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-PKG = pathlib.Path(__file__).resolve().parents[1] / "fastsft_lab"
+PKG = pathlib.Path(__file__).resolve().parents[2] / "fastsft_lab"
 LAB = "fastsft_lab.lab"
 MAX_LINES = 800
 

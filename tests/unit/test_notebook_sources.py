@@ -12,7 +12,7 @@ import pytest
 
 nbformat = pytest.importorskip("nbformat")  # the GPU machine runs `pytest -m cuda` without Jupyter
 
-SRC = pathlib.Path(__file__).resolve().parents[1] / "notebooks" / "_src"
+SRC = pathlib.Path(__file__).resolve().parents[2] / "notebooks" / "_src"
 
 
 def _load(path: pathlib.Path):

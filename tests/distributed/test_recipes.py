@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "benchmarks" / "recipes"
 pytest.importorskip("trl")
 

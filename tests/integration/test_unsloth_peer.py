@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "benchmarks" / "unsloth_peer"
 ENTRY = "benchmarks.unsloth_peer"   # `python -m benchmarks.unsloth_peer`, from the repo root (unsloth_peer.sh)
 TOKENS, STEPS, LAYERS = 256, 2, 2

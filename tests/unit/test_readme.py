@@ -7,7 +7,7 @@ import pytest
 
 from fastsft_lab.lab import report
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
 # What the CI machine cannot do as written (no hub, no GPU, seconds not minutes): the only changes made to the
 # README's code before it runs here.

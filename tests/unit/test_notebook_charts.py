@@ -29,7 +29,7 @@ nbformat = pytest.importorskip("nbformat")  # the GPU machine runs `pytest -m cu
 
 from fastsft_lab.lab import plots
 
-NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parents[1] / "notebooks").glob("0*.ipynb"))
+NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parents[2] / "notebooks").glob("0*.ipynb"))
 CHART_FUNCTIONS = frozenset(n for n in plots.__all__ if n.startswith("plot_"))
 PYPLOT_MAKERS = frozenset({"subplots", "figure"})
 

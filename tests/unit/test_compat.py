@@ -29,7 +29,7 @@ import torch
 
 from fastsft_lab import _compat as C
 
-PKG = pathlib.Path(__file__).resolve().parents[1] / "fastsft_lab"
+PKG = pathlib.Path(__file__).resolve().parents[2] / "fastsft_lab"
 FRAMEWORKS = ("torch", "transformers", "peft", "bitsandbytes", "triton", "accelerate", "trl", "xformers",
               "flash_attn", "datasets", "liger_kernel")
 _PRIVATE = re.compile(r"^_[A-Za-z0-9]\w*$")

@@ -20,7 +20,7 @@ from _source_helpers import code_lines
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
-LIB = pathlib.Path(__file__).resolve().parents[1] / "fastsft_lab"
+LIB = pathlib.Path(__file__).resolve().parents[2] / "fastsft_lab"
 TINY = {p.family: p.name for p in PRESETS.values() if not p.real}   # the tiny preset of each family
 
 
