@@ -239,6 +239,10 @@ MUTATIONS = [
     Mutation("pool-host-memory-check-off", O + "pool.py",
              "if avail is not None and size + HOST_RESERVE_BYTES > avail:",
              "if False:", (TO("memory.py"), "-k", "host_memory")),
+    Mutation("restore-log-skips-an-undo", "fastsft_lab/restore.py",
+             "        for e in reversed(mine):\n            _UNDO[e.kind](e)",
+             "        for e in reversed(mine[1:]):\n            _UNDO[e.kind](e)",
+             (T("test_restore.py"), "-k", "property")),
     Mutation("fused-loss-off-does-nothing", "fastsft_lab/restore.py",
              "    def disable(self, model: nn.Module) -> None:\n        undo(model, self.name)\n",
              "    def disable(self, model: nn.Module) -> None:\n        if self.name != \"fused_loss\":\n"
