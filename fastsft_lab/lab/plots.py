@@ -90,8 +90,10 @@ def plot_result(result: dict, phases: Sequence[str] = ("forward", "step"), title
 # alone (all naive: every glue fix in its "before" form), then from the glue fixes together (all fast). Each label
 # names what changed from the bar before; what each fix alone is worth is the ablation beside it (all fast without it).
 WATERFALL = {"transformers default": "transformers default",
-             "all naive": "+ packed attention kernel\n(metadata rebuilt per layer,\none buffer, eager experts)",
+             "all naive": "+ packed attention kernel\n(metadata rebuilt per layer,\none buffer, default experts)",
              "all fast": "+ the glue fixes\n(metadata once, double buffer,\nsync-free experts)"}
+# older combined runs ran transformers' eager per-expert loop in "all naive" (toggles moe=naive): their label says so
+_LOOP_LABEL = "+ packed attention kernel\n(metadata rebuilt per layer,\none buffer, eager-loop experts)"
 
 
 def plot_limit_gap(results: Sequence[dict], rows: Sequence[str] = ("cached", "cached (collated)"),
@@ -147,7 +149,14 @@ def plot_waterfall(result: dict):
     if first not in rows:
         return None
     base = rows[first]["step_ms"]["median"]
-    labels = {n: n for n in chain} if chain else WATERFALL
+    if chain:
+        from .results import chain_steps
+
+        labels = {n: n for n in chain_steps(result)}
+    else:
+        labels = dict(WATERFALL)
+        if any(r["name"] == "all naive" and r.get("toggles", {}).get("moe") == "naive" for r in result["variants"]):
+            labels["all naive"] = _LOOP_LABEL
     steps = [n for n in labels if n in rows]
     missing = [n for n in labels if n not in rows and n in {r["name"] for r in result["variants"]}]
     others = [n for n in rows if n not in steps]
@@ -756,7 +765,11 @@ def peer_rows(peer: Sequence[dict], same: Sequence[dict]) -> list[tuple[str, flo
     from .results import PEER_OUR_VARIANTS
     rows = [(v["name"], v["step_ms"]["median"], v.get("peak_mem_bytes"), v.get("host_syncs_per_step"))
             for d in peer for v in d["variants"] if "step_ms" in v]
-    rows += [(f"fastsft {v['name']} ({d['config']['kernels']}, autocast {d['config'].get('autocast', 'none')})",
+    def name(v):     # older runs' all naive ran transformers' eager per-expert loop: their label says so
+        loop = v["name"] == "all naive" and v.get("toggles", {}).get("moe") == "naive"
+        return v["name"] + (", eager-loop experts" if loop else "")
+
+    rows += [(f"fastsft {name(v)} ({d['config']['kernels']}, autocast {d['config'].get('autocast', 'none')})",
               v["step_ms"]["median"], v.get("peak_mem_bytes"), v.get("host_syncs_per_step"))
              for d in same for v in d["variants"] if v["name"] in PEER_OUR_VARIANTS and "step_ms" in v]
     return rows
