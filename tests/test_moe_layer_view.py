@@ -75,3 +75,39 @@ def test_the_published_double_buffer_figure_is_the_one_the_link_scenario_uses():
     from fastsft_lab.lab.scenarios.offload_link import PUBLISHED_GAIN
 
     assert report.PUBLISHED_STEP["+ double buffer"].startswith(f"+{PUBLISHED_GAIN:.1%}")
+
+
+@pytest.mark.cuda
+def test_cuda_launches_are_the_profilers_kernels_and_the_fused_glue_launches_fewer():
+    model = build_model("tiny-gpt-oss", device="cuda", dtype=torch.bfloat16, num_layers=1, seed=0,
+                        config_overrides={"num_local_experts": 32, "num_experts_per_tok": 4})
+    rows = {r["name"]: r for r in experts_microbenchmark(model, tokens=512, warmup=1, reps=2)}
+    assert rows["sync_free"]["launches_counted"].startswith("CUDA kernels")
+    assert rows["grouped"]["launches_forward"] > 32 > rows["sync_free"]["launches_forward"]
+    assert rows["sync_free"]["launches_per_step"] < rows["sync_free, eager glue"]["launches_per_step"]
+    assert rows["transformers grouped_mm"]["host_syncs_per_step"] == 0
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_routing_check_runs_with_the_fused_kernels_and_forcing_routes_as_the_reference():
+    from fastsft_lab import moe
+    from fastsft_lab.data import benchmark_batches
+    from fastsft_lab.lab import routing
+    from fastsft_lab.lab.harness import Variant
+
+    def mode(name):
+        return Variant(name, enable=lambda m: moe.set_moe_routing(m, name),
+                       disable=lambda m: moe.set_moe_routing(m, None))
+
+    model = build_model("tiny-gpt-oss", device="cuda", dtype=torch.bfloat16, seed=0).train()
+    batch = benchmark_batches(tokens_per_step=512, row_tokens=256, steps=1, vocab_size=256, mix="short")[0].to("cuda")
+    a = routing.routing_agreement(model, batch, mode("off"), mode("sync_free"))
+    assert a["logits_dtype"] == "bfloat16" and len(a["flipped_tokens"]) == model.config.num_hidden_layers
+    with routing.record_routing(model) as ref:
+        model(**batch.model_inputs())
+    moe.set_moe_routing(model, "sync_free")
+    forced = {i: r["index"] for i, r in dict(ref).items()}
+    with torch.no_grad(), routing.force_routing(model, forced), routing.record_routing(model) as seen:
+        model(**batch.model_inputs())
+    moe.set_moe_routing(model, None)
+    assert all(routing.flipped_tokens(seen[i]["index"], forced[i]) == 0 for i in forced)
