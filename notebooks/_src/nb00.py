@@ -93,7 +93,7 @@ for model, layers, tokens in ((MODEL, NUM_LAYERS, TOKENS), (MOE_MODEL, MOE_LAYER
         with contextlib.redirect_stdout(io.StringIO()):    # the scenario's own table: attribution_text says it
             committed = run_scenario("attribution", device=DEVICE, smoke=SMOKE, out_dir="runs/00_attribution",
                                      progress=False, models=[model], num_layers=layers, tokens=[tokens],
-                                     kernels=["none"], budget=BUDGET, steps=STEPS)[0]
+                                     kernels=["none"], budget=BUDGET, steps=STEPS, autocast=AUTOCAST)[0]
     chains.append(committed)
 if SMOKE:   # the same chains on a GPU at full depth, committed (on a GPU they are the ones shown above)
     chains += [d for d in (results.attribution_for(m, "none") for m in ("qwen3-14b", "gpt-oss-20b")) if d]
