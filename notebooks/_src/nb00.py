@@ -73,10 +73,10 @@ gate/combine kernels), fix 2 (offload with one buffer, then two), the fused loss
 memory budget.
 
 `vs ref` checks each step against exact packing. Stock GPT-OSS attention lets packed sequences see each other (its
-row says so). On GPT-OSS in bf16 the MoE steps read ~1e-1 without being wrong: a rounding-level difference flips the
-top-k choice of tokens whose router logits are near-ties, and a token sent to another expert changes by O(1). Chains
-that carry the routing check count those tokens and give the difference with the reference's routing forced (notebook
-03 runs the check on any machine; float32 CPU tests are the exactness proof).
+row says so). On GPT-OSS in bf16 the MoE steps read 1e-1 or more: a rounding-level difference between two correct
+kernels flips the top-k choice of tokens whose router logits are near-ties, and a token sent to another expert
+changes by O(1). Chains that carry the routing check count those tokens and give the difference with the reference's
+routing forced (notebook 03 runs the check on any machine; float32 CPU tests are the exactness proof).
 
 A chain committed from a GPU run is shown as committed, the same one the README table and notebooks 03 and 04 read;
 a live chain runs only for a configuration with no committed chain (smoke mode, a smaller GPU).
