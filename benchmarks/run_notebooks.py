@@ -2,7 +2,8 @@
 
 Usage: python benchmarks/run_notebooks.py notebooks/00_*.ipynb ...   (SMOKE from the environment decides sizes)
 Each notebook runs top to bottom in its own folder, its old outputs cleared first; a failing cell stops that notebook and
-is reported (the cells after it stay empty).
+is reported (the cells after it stay empty). Then its reading time is stamped into its first cell
+(:mod:`fastsft_lab.lab.reading`); ``--stamp NOTEBOOK...`` stamps committed notebooks without running them.
 
 ``--redraw N[,M...] NOTEBOOK``: re-runs only cells N, M (0-based cell indices) after the notebook's setup cell (its
 first code cell that imports fastsft_lab), in smoke mode, and replaces only their outputs -- for cells that read
@@ -15,6 +16,9 @@ import time
 
 import nbformat
 from nbclient import NotebookClient
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # this clone's fastsft_lab
+from fastsft_lab.lab.reading import BUDGET_MIN, stamp  # noqa: E402
 from nbclient.exceptions import CellExecutionError
 
 
@@ -39,12 +43,21 @@ def redraw(path: str, indices: list[int]) -> int:
     for i, cell in zip(indices, scratch.cells[1:]):
         nb.cells[i].outputs = cell.outputs
     nbformat.write(nb, path)
-    print(f"[ok] {path}: redrew cells {indices}")
+    print(f"[ok] {path}: redrew cells {indices}; {_stamp(path)}")
     return 0
+
+
+def _stamp(path: str) -> str:
+    minutes = stamp(path)
+    return f"reading time {minutes} min" + (f" (over the {BUDGET_MIN}-minute budget)" if minutes > BUDGET_MIN else "")
 
 
 if len(sys.argv) == 4 and sys.argv[1] == "--redraw":
     sys.exit(redraw(sys.argv[3], [int(i) for i in sys.argv[2].split(",")]))
+if len(sys.argv) > 1 and sys.argv[1] == "--stamp":
+    for path in sys.argv[2:]:
+        print(f"{path}: {_stamp(path)}")
+    sys.exit(0)
 
 status = 0
 for path in sys.argv[1:]:
@@ -62,4 +75,5 @@ for path in sys.argv[1:]:
         status = 1
         print(f"[FAIL] {path} after {time.time() - t:.0f}s: {str(e)[:3000]}", flush=True)
     nbformat.write(nb, path)
+    print(f"     {path}: {_stamp(path)}", flush=True)
 sys.exit(status)

@@ -8,6 +8,8 @@ included; its rule is written there). A private attribute a switch writes is nam
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree   # tree_flatten / tree_unflatten / tree_map_only (torch 2.0-2.13)
@@ -273,6 +275,7 @@ ATEN_UNIQUE = tuple(op for op in (getattr(aten, "_unique", None), getattr(aten, 
 ATEN_UNSAFE_INDEX = getattr(aten, "_unsafe_index", None)  # what decompositions make of advanced indexing
 ATEN_INDEX_PUT_IMPL = getattr(aten, "_index_put_impl_", None)
 ATEN_TO_COPY = aten._to_copy                              # .to(device) / .cpu()
+ATEN_RESHAPE_ALIAS = getattr(aten, "_reshape_alias", None)  # a view's relabelling of memory: no kernel
 # the grouped matmul and the attention kernels (their outputs are what a selective checkpoint saves)
 ATEN_MATMUL_AND_ATTENTION = tuple(op for op in (getattr(aten, name, None) for name in (
     "_grouped_mm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
@@ -321,12 +324,12 @@ def remove_forward_hook(module: nn.Module, key: int) -> None:
 
 
 # --- transformers / PEFT / xformers internals -------------------------------------------------------------------------
-def experts_gate(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+def experts_gate(module: Any, gate_up: torch.Tensor) -> torch.Tensor:
     """The gated activation of a transformers experts module (``_apply_gate``, transformers 5.0-5.17)."""
     return module._apply_gate(gate_up)
 
 
-def peft_check_forward_args(module: nn.Module, x, *args, **kwargs) -> None:
+def peft_check_forward_args(module: Any, x, *args, **kwargs) -> None:
     """PEFT's argument check of a LoRA layer's forward (``_check_forward_args``, PEFT 0.17-0.21)."""
     module._check_forward_args(x, *args, **kwargs)
 
@@ -337,6 +340,6 @@ def xformers_has_cpp_library(xformers_module) -> bool:
 
 
 __all__ += ["tensor_version", "tensor_is_view", "ATEN_LOCAL_SCALAR_DENSE", "ATEN_UNIQUE", "ATEN_UNSAFE_INDEX",
-            "ATEN_INDEX_PUT_IMPL", "ATEN_TO_COPY", "ATEN_MATMUL_AND_ATTENTION", "empty_host_cache", "cuda_sleep",
+            "ATEN_INDEX_PUT_IMPL", "ATEN_TO_COPY", "ATEN_RESHAPE_ALIAS", "ATEN_MATMUL_AND_ATTENTION", "empty_host_cache", "cuda_sleep",
             "compiled_call", "set_compiled_call", "forward_hooks", "remove_forward_hook", "experts_gate",
             "peft_check_forward_args", "xformers_has_cpp_library"]

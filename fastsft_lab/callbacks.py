@@ -24,7 +24,7 @@ def _trainer_callback_base():
     return TrainerCallback
 
 
-class StepStatsCallback(_trainer_callback_base()):
+class StepStatsCallback(_trainer_callback_base()):  # type: ignore[misc]  # transformers' class, on use
     """Step time, tokens/s, host syncs per step and peak memory in the trainer's logs (see the module docstring).
 
     Args:

@@ -33,6 +33,7 @@ disabled adapters runs PEFT's own forward. :func:`disable_fused_lora` takes it b
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,7 +46,7 @@ from .structure import base_model
 SWITCH = "fused_lora"
 
 
-def _lora_linear_classes() -> tuple[type, ...]:
+def _lora_linear_classes() -> tuple[type[nn.Module], ...]:
     """PEFT's LoRA layers whose forward is ``base(x) + B(A(dropout(x))) * scaling`` over ``nn.Linear`` adapters."""
     try:
         from peft.tuners.lora import layer
@@ -92,7 +93,7 @@ def fused_lora_forward(self, original, x: torch.Tensor, *args, **kwargs) -> torc
     return result
 
 
-def _check_plain_lora(name: str, module: nn.Module) -> None:
+def _check_plain_lora(name: str, module: Any) -> None:
     variants = getattr(module, "lora_variant", None) or {}
     if variants:
         kinds = ", ".join(sorted({type(v).__name__ for v in variants.values()}))

@@ -196,7 +196,7 @@ class SyncCounter:
         self._mode: SyncCountingMode | None = None
         self._warn_ctx: warnings.catch_warnings | None = None
         self._warn_log: list | None = None
-        self._prev_debug_mode = None
+        self._prev_debug_mode: int | None = None
 
     # -- construction helpers
     @classmethod

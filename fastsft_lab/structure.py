@@ -7,6 +7,8 @@ model's family record (:mod:`fastsft_lab.families`). No presets here (:mod:`fast
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -30,9 +32,10 @@ def unwrap(model: nn.Module) -> nn.Module:
     return inner
 
 
-def base_model(model: nn.Module) -> nn.Module:
-    """The transformers ``*ForCausalLM`` under DDP, ``torch.compile`` and PEFT wrappers."""
-    inner = unwrap(model)
+def base_model(model: nn.Module) -> Any:
+    """The transformers ``*ForCausalLM`` under DDP, ``torch.compile`` and PEFT wrappers (typed ``Any``: its methods,
+    transformers' ``PreTrainedModel``'s, are not what ``nn.Module`` declares)."""
+    inner: Any = unwrap(model)
     for _ in range(4):
         if hasattr(inner, "get_base_model"):
             inner = inner.get_base_model()

@@ -378,6 +378,20 @@ MUTATIONS = [
              "if x.dtype == quant_state.dtype and in_backward():", "if in_backward():", (TD, "-k", "keeps")),
     Mutation("dequant-kept-weight-unused", "fastsft_lab/dequant.py",
              "if kept is not None and kept[0] is codes:", "if False:", (TD, "-k", "plan_choice")),
+    # --- the lab's views of the chain (issue 41)
+    Mutation("routing-forced-index-ignored", "fastsft_lab/lab/routing.py",
+             "return logits, routing_weights_at(module, logits.reshape(-1, logits.shape[-1]), forced), forced",
+             "return out", (T("test_routing_agreement.py"), "-k", "planted or bf16")),
+    Mutation("routing-flips-count-slot-order", "fastsft_lab/lab/routing.py",
+             "return int((a.sort(dim=-1).values != b.sort(dim=-1).values).any(dim=-1).sum())",
+             "return int((a != b).any(dim=-1).sum())", (T("test_routing_agreement.py"),)),
+    Mutation("reading-time-rounded-down", "fastsft_lab/lab/reading.py",
+             "return math.ceil((p[\"prose\"] + p[\"code\"] + p[\"outputs\"]) / WORDS_PER_MIN + p[\"charts\"])",
+             "return math.floor((p[\"prose\"] + p[\"code\"] + p[\"outputs\"]) / WORDS_PER_MIN + p[\"charts\"])",
+             (T("test_notebook_reading.py"), "-k", "measure")),
+    Mutation("chain-keeps-grouped-once", "fastsft_lab/lab/results.py",
+             "return [n for n in doc[\"config\"][\"chain\"] if n not in NOT_IN_CHAIN]",
+             "return list(doc[\"config\"][\"chain\"])", (T("test_results.py"), "-k", "attribution")),
 ]
 
 

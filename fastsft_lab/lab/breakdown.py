@@ -138,6 +138,7 @@ def module_categories(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
     layers = set(map(id, decoder_layers(model)))
     out: dict[str, tuple[nn.Module, str]] = {}
     for path, module in model.named_modules():
+        cat: str | None
         parent, up = None, path
         while "." in up and parent is None:           # the nearest ancestor that opened a scope
             up = up.rsplit(".", 1)[0]

@@ -23,7 +23,7 @@ not, so a bound relative to the current gradient would be wrong, not strict.
 from __future__ import annotations
 
 import random
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -33,11 +33,11 @@ from fastsft_lab.data import Example, PackedBatch, pack_examples
 from fastsft_lab.packing import packed_inputs
 
 # The naive path of each family, and the two kinds of switch on top of it (fastsft_lab.apply's arguments).
-NAIVE = {"qwen3": dict(packed_attention="sdpa", packed_metadata_cache=False, offload_buffers=1),
+NAIVE: dict[str, dict[str, Any]] = {"qwen3": dict(packed_attention="sdpa", packed_metadata_cache=False, offload_buffers=1),
          "gpt_oss": dict(packed_attention="sdpa", packed_metadata_cache=False, offload_buffers=1,
                          moe_routing="naive")}
-EXACT = dict(packed_metadata_cache=True, offload_buffers=2)        # no floating-point operation moves
-REORDERING = {"qwen3": dict(fused_loss=True),                       # the same sums in another order
+EXACT: dict[str, Any] = dict(packed_metadata_cache=True, offload_buffers=2)        # no floating-point operation moves
+REORDERING: dict[str, dict[str, Any]] = {"qwen3": dict(fused_loss=True),                       # the same sums in another order
               "gpt_oss": dict(fused_loss=True, moe_routing="sync_free")}
 
 
@@ -66,7 +66,7 @@ def rounding_tolerance(dtype: torch.dtype, reduction_length: int) -> float:
 def longest_reduction(model: nn.Module, batch: PackedBatch) -> int:
     """The longest sum in one step of ``model``: a matmul over the hidden or intermediate size, the softmax over the
     vocabulary, attention over a row, or the loss over the batch's tokens."""
-    c = model.config
+    c: Any = model.config
     sizes = [c.hidden_size, c.vocab_size, int(batch.input_ids.numel()), int(batch.input_ids.shape[-1])]
     sizes += [getattr(c, k) for k in ("intermediate_size", "moe_intermediate_size") if getattr(c, k, None)]
     return max(sizes)

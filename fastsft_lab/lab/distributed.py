@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -153,7 +154,7 @@ def _n_items(labels: torch.Tensor) -> torch.Tensor:
     return (labels[:, 1:] != -100).sum()
 
 
-def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _grads(model: torch.nn.Module) -> dict[str, Any]:
     out = {}
     for n, p in model.named_parameters():
         if not p.requires_grad:
@@ -224,7 +225,7 @@ def run_case(name: str) -> dict | None:
     if not before:
         _apply_switches(wrapped, switches)
     state = str(fastsft_lab.state(wrapped))
-    holder = {}
+    holder: dict[str, Any] = {}
     per_expert = _tokens_per_expert(model, lambda: holder.setdefault("out", wrapped(**mine, num_items_in_batch=n_global)))
     out = holder["out"]
     (out.loss * world).backward()         # the wrappers average gradients over the ranks

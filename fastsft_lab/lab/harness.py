@@ -246,9 +246,9 @@ def run_variants(
         # the reference: the variant named by check_equal (one that computes the exact result), else the first
         ok.sort(key=lambda ve: ve[0].name != check_equal)
         if len(ok) > 1:
-            for (_, e), eq in zip(ok, compare_to_first(model, batches[0], [v for v, _ in ok], mode=mode)):
-                e["equal_to_first"] = eq
-                e["equal_reference"] = ok[0][0].name
+            for (_, row), eq in zip(ok, compare_to_first(model, batches[0], [v for v, _ in ok], mode=mode)):
+                row["equal_to_first"] = eq
+                row["equal_reference"] = ok[0][0].name
     if count_syncs:
         for v, entry in zip(variants, results):
             if "error" in entry:

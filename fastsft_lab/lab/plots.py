@@ -90,8 +90,10 @@ def plot_result(result: dict, phases: Sequence[str] = ("forward", "step"), title
 # alone (all naive: every glue fix in its "before" form), then from the glue fixes together (all fast). Each label
 # names what changed from the bar before; what each fix alone is worth is the ablation beside it (all fast without it).
 WATERFALL = {"transformers default": "transformers default",
-             "all naive": "+ packed attention kernel\n(metadata rebuilt per layer,\none buffer, eager experts)",
+             "all naive": "+ packed attention kernel\n(metadata rebuilt per layer,\none buffer, default experts)",
              "all fast": "+ the glue fixes\n(metadata once, double buffer,\nsync-free experts)"}
+# older combined runs ran transformers' eager per-expert loop in "all naive" (toggles moe=naive): their label says so
+_LOOP_LABEL = "+ packed attention kernel\n(metadata rebuilt per layer,\none buffer, eager-loop experts)"
 
 
 def plot_limit_gap(results: Sequence[dict], rows: Sequence[str] = ("cached", "cached (collated)"),
@@ -117,7 +119,7 @@ def plot_limit_gap(results: Sequence[dict], rows: Sequence[str] = ("cached", "ca
         xs = [i + (j - (len(rows) - 1) / 2) * width for i, (_, vals) in enumerate(groups) if vals[j] is not None]
         vals = [vals[j] for _, vals in groups if vals[j] is not None]
         bars = ax.bar(xs, vals, width=width, color=color, label=row)
-        _label_bars(ax, bars, vals, [max(v, 0) for v in vals], fmt="{:+.2f}%")
+        _label_bars(ax, bars, vals, [max(v, 0) for v in vals if v is not None], fmt="{:+.2f}%")
     ax.axhspan(-100 * band, 100 * band, color=_GREY, alpha=0.15, label=f"+-{band:.1%} of the {limit}")
     ax.axhline(0, color="gray", lw=0.8)
     ax.set_xticks(range(len(groups)))
@@ -147,7 +149,14 @@ def plot_waterfall(result: dict):
     if first not in rows:
         return None
     base = rows[first]["step_ms"]["median"]
-    labels = {n: n for n in chain} if chain else WATERFALL
+    if chain:
+        from .results import chain_steps
+
+        labels = {n: n for n in chain_steps(result)}
+    else:
+        labels = dict(WATERFALL)
+        if any(r["name"] == "all naive" and r.get("toggles", {}).get("moe") == "naive" for r in result["variants"]):
+            labels["all naive"] = _LOOP_LABEL
     steps = [n for n in labels if n in rows]
     missing = [n for n in labels if n not in rows and n in {r["name"] for r in result["variants"]}]
     others = [n for n in rows if n not in steps]
@@ -399,7 +408,8 @@ def plot_host_device_timeline(timelines: dict[str, dict], ax=None, title: str | 
     (:func:`fastsft_lab.profiling.host_device_timeline`'s output). Returns ax."""
     if ax is None:
         _, ax = _plt().subplots(figsize=(10, 0.9 + 0.75 * len(timelines) * 2))
-    labels, y = [], 0
+    labels: list = []
+    y = 0.0
     for mode, tl in timelines.items():
         if tl["gpu"]:
             ax.broken_barh([(s, max(e - s, 1e-3)) for _, s, e in tl["gpu"]], (y - 0.35, 0.7), color="tab:blue")
@@ -524,6 +534,7 @@ def plot_breakdown(results: Sequence[dict], *, min_label: float = 0.04):
     names = []
     for y, doc in enumerate(docs):
         bd, c = step_view(doc), doc["config"]
+        assert bd is not None          # the docs were chosen for their breakdown
         left = 0.0
         for row in bd["categories"]:
             if row["ms"] <= 0:
@@ -726,11 +737,12 @@ def plot_frontier(docs: Sequence[dict], root=None):
         x = [(r["peak"] or r["predicted"]) / 2**30 for r in plans]
         ax.plot(x, [r["ms"] for r in plans], "o-", color=_BLUE, label="memory plan, per budget")
         labels.append((ax, [(xi, r["ms"], r["name"].split(": ", 1)[-1]) for xi, r in zip(x, plans, strict=True)]))
-        for r, marker, color in ((next((r for r in rows if r["name"].startswith("offload x2")), None), "s", _ORANGE),
-                                 (next((r for r in rows if r["name"] == "no checkpointing"), None), "^", _GREY)):
-            if r is not None and (r["peak"] or r["predicted"]):
-                ax.plot([(r["peak"] or r["predicted"]) / 2**30], [r["ms"]], marker, color=color, ms=8,
-                        label=r["name"], alpha=0.8)
+        for peer, marker, color in ((next((r for r in rows if r["name"].startswith("offload x2")), None), "s",
+                                      _ORANGE),
+                                     (next((r for r in rows if r["name"] == "no checkpointing"), None), "^", _GREY)):
+            if peer is not None and (peer["peak"] or peer["predicted"]):
+                ax.plot([(peer["peak"] or peer["predicted"]) / 2**30], [peer["ms"]], marker, color=color, ms=8,
+                        label=peer["name"], alpha=0.8)
         c = doc["config"]
         floor = "Liger floor" if c.get("kernels") == "liger" else "default floor"
         ax.set_title(f"{c['model']} {weights_text(c)}, {c.get('num_layers')} layers, {c.get('tokens_per_step')} "
@@ -756,7 +768,11 @@ def peer_rows(peer: Sequence[dict], same: Sequence[dict]) -> list[tuple[str, flo
     from .results import PEER_OUR_VARIANTS
     rows = [(v["name"], v["step_ms"]["median"], v.get("peak_mem_bytes"), v.get("host_syncs_per_step"))
             for d in peer for v in d["variants"] if "step_ms" in v]
-    rows += [(f"fastsft {v['name']} ({d['config']['kernels']}, autocast {d['config'].get('autocast', 'none')})",
+    def name(v):     # older runs' all naive ran transformers' eager per-expert loop: their label says so
+        loop = v["name"] == "all naive" and v.get("toggles", {}).get("moe") == "naive"
+        return v["name"] + (", eager-loop experts" if loop else "")
+
+    rows += [(f"fastsft {name(v)} ({d['config']['kernels']}, autocast {d['config'].get('autocast', 'none')})",
               v["step_ms"]["median"], v.get("peak_mem_bytes"), v.get("host_syncs_per_step"))
              for d in same for v in d["variants"] if v["name"] in PEER_OUR_VARIANTS and "step_ms" in v]
     return rows

@@ -355,6 +355,27 @@ def attribution_results(root=None, device_type: str | None = "cuda") -> list[dic
                                        d["config"].get("kernels", "none") != "none"))
 
 
+# Steps older attribution runs measured that are no step of the chain any more (each names where it is shown)
+NOT_IN_CHAIN = {"+ experts grouped once": "one host sync per MoE layer and a loop of launches per expert: slower than "
+                                          "transformers' default experts (notebook 03 counts why)"}
+
+
+def chain_steps(doc: dict) -> list[str]:
+    """The steps of an attribution result's chain, in order, without the steps older runs measured that the chain
+    no longer takes (:data:`NOT_IN_CHAIN`): each step is compared with the one before it in this list, both measured
+    in the same interleaved run."""
+    return [n for n in doc["config"]["chain"] if n not in NOT_IN_CHAIN]
+
+
+def attribution_for(model: str, kernels: str = "none", root=None, device_type: str | None = "cuda") -> dict | None:
+    """The committed attribution chain of ``model`` on the kernel floor ``kernels`` at its deepest committed depth
+    (:func:`attribution_results`: the newest of each configuration), or None: the one chain every view of that model
+    reads (README, notebooks 00, 03, 04)."""
+    docs = [d for d in attribution_results(root=root, device_type=device_type) if d["config"]["model"] == model
+            and d["config"].get("kernels", "none") == kernels]
+    return max(docs, key=lambda d: d["config"].get("num_layers") or 0) if docs else None
+
+
 def plans_in(doc: dict) -> int:
     """How many solved plans a memory-plan result times: two or more make a frontier; one is a run at a budget asked
     for (``--set budget.budgets=80``)."""
@@ -424,7 +445,7 @@ def frontier_vs_peers(rows: Sequence[dict]) -> list[dict]:
     return out
 
 
-__all__ = ["weights_text", "attribution_results", "budget_results", "plans_in", "frontier_rows", "frontier_peers", "frontier_vs_peers",
+__all__ = ["weights_text", "attribution_results", "attribution_for", "chain_steps", "NOT_IN_CHAIN", "budget_results", "plans_in", "frontier_rows", "frontier_peers", "frontier_vs_peers",
            "PEER_MEMORY_MULTIPLES", "all_results", "load_results", "run_of", "newest_per_config", "describe_run", "build_index", "write_index",
            "repo_results_dir", "INDEX", "step_spread", "unsettled", "UNSETTLED_SPREAD", "offload_results",
            "packed_regime", "packed_key", "packed_configs", "packed_headline", "combined_results", "newest_peak_gib", "peer_results", "PEER_OUR_VARIANTS", "experts_profile",

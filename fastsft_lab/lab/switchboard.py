@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import torch
 from torch import nn
 
 import fastsft_lab
@@ -25,7 +26,7 @@ from ..structure import model_device
 from ..moe import experts_modules
 from ..packing import available_backends, packed_inputs
 from ..profiling import PhaseTimer, SyncCounter, peak_memory, percentiles, reset_peak_memory
-from .harness import make_optimizer
+from .harness import AUTOCAST, make_optimizer
 
 
 @dataclasses.dataclass
@@ -56,9 +57,11 @@ class Switchboard:
         model: a live transformers causal LM (PEFT-wrapped or not), with gradient checkpointing on.
         batches: packed batches to cycle through.
         lr: the optimizer's learning rate (AdamW over the trainable parameters).
+        autocast: "none", "bf16" or "fp16": every step's forward and backward under ``torch.autocast`` (what
+            ``SFTTrainer(bf16=True)`` does), as the benchmarks' steps run.
     """
 
-    def __init__(self, model: nn.Module, batches: Sequence[PackedBatch], *, lr: float = 1e-6):
+    def __init__(self, model: nn.Module, batches: Sequence[PackedBatch], *, lr: float = 1e-6, autocast: str = "none"):
         if not batches:
             raise ValueError("the switchboard needs at least one batch")
         self.model = model
@@ -67,6 +70,9 @@ class Switchboard:
         self.is_moe = bool(experts_modules(model))
         status = available_backends(self.device)
         self.backends = ["off"] + [b for b, st in status.items() if st.training]
+        if autocast not in AUTOCAST:
+            raise ValueError(f"autocast must be one of {', '.join(AUTOCAST)}, got {autocast!r}")
+        self.autocast = autocast
         self.setting = Setting()
         self.records: list[dict] = []
         self._optimizer = make_optimizer(model, lr=lr)
@@ -117,7 +123,7 @@ class Switchboard:
         self._step += 1
         ctx = timer.phase("step") if timer is not None else _null()
         with ctx:
-            with counter if counter is not None else _null():     # forward + backward (the optimizer apart)
+            with counter if counter is not None else _null(), self._cast():   # forward + backward (optimizer apart)
                 loss = self.model(**self._inputs(batch)).loss
                 loss.backward()
             self._optimizer.step()
@@ -199,7 +205,12 @@ class Switchboard:
     def _forward_backward(self) -> None:
         batch = self.batches[self._step % len(self.batches)]
         self._step += 1
-        self.model(**self._inputs(batch)).loss.backward()
+        with self._cast():
+            self.model(**self._inputs(batch)).loss.backward()
+
+    def _cast(self):
+        dtype = AUTOCAST[self.autocast]
+        return _null() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
 
     def _optimizer_step(self) -> None:
         self._optimizer.step()
@@ -239,7 +250,8 @@ class Switchboard:
     def show(self):
         """The panel in a notebook with a widget frontend; otherwise (or as well) every run so far as text, each as
         what changed since the run before (:meth:`changes_text`)."""
-        print(f"switchboard on {type(self.model).__name__} ({self.device}); setting: {self.setting.label()}")
+        print(f"switchboard on {type(self.model).__name__} ({self.device}, autocast {self.autocast}); setting: "
+              f"{self.setting.label()}")
         print(self.changes_text() if self.records else "(no runs yet: press 'run' or call sb.run(n))")
         try:
             import ipywidgets as W

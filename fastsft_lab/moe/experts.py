@@ -19,6 +19,7 @@ dense (T, E) scores has them gathered to (T, k) first, :func:`.modules.top_k_wei
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +47,7 @@ def grouped_mm_nf4(x: torch.Tensor, offs: torch.Tensor, store: NF4Weight) -> tor
     return ContiguousGrad.apply(NF4GroupedMM.apply(x, offs, store))
 
 
-def naive_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+def naive_experts_forward(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                           top_k_weights: torch.Tensor) -> torch.Tensor:
     """The per-expert loop, op for op transformers' eager ``GptOssExperts.forward`` / ``Qwen3MoeExperts.forward``.
 
@@ -83,7 +84,7 @@ def naive_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_in
     return final_hidden_states
 
 
-def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+def grouped_experts_forward(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """Group once, one host sync per layer: sort, end offsets, ONE ``.tolist()``, per-expert slices.
 
@@ -133,7 +134,7 @@ def grouped_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
 _FALLBACK_WARNED: set[str] = set()
 
 
-def sync_free_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+def sync_free_experts_forward(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                               top_k_weights: torch.Tensor) -> torch.Tensor:
     """Group once and never ask the host: offsets stay on the device and feed one grouped matmul per projection.
 

@@ -63,7 +63,9 @@ class ContiguousGrad(torch.autograd.Function):
 
 def grouped_mm(x: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """(S, K) rows sorted by expert, (E, K, N) weights, int32 end offsets (E,) -> (S, N). No host sync."""
-    return ContiguousGrad.apply(_grouped_mm_fn()(x, mat_b, offs=offs))
+    fn = _grouped_mm_fn()
+    assert fn is not None, "no grouped matmul in this torch (grouped_mm_unavailable says so first)"
+    return ContiguousGrad.apply(fn(x, mat_b, offs=offs))
 
 
 

@@ -27,7 +27,7 @@ def is_nf4(module: nn.Module) -> bool:
     return getattr(module, NF4_ATTR, None) is not None
 
 
-def _check_nf4_not_lora(module: nn.Module) -> None:
+def _check_nf4_not_lora(module: Any) -> None:
     # PEFT's target_parameters LoRA works by a parametrization of the 3-D nn.Parameter; an NF4 expert weight is a
     # packed uint8 buffer, so there is nothing for PEFT to parametrize: refuse clearly rather than compute without
     # the adapter.
@@ -173,7 +173,7 @@ def quantize_experts_nf4(model: nn.Module, *, blocksize: int = 64, compute_dtype
 
     # PEFT's target_parameters LoRA (ParamWrapper) parametrizes the 3-D nn.Parameter during each forward; after NF4
     # there is no parameter left to parametrize, so refuse up front instead of failing inside PEFT's forward.
-    lora_wrapped = {id(m.get_base_layer()) for m in model.modules()
+    lora_wrapped = {id(getattr(m, "get_base_layer")()) for m in model.modules()
                     if hasattr(m, "parameter_name") and hasattr(m, "get_base_layer")}
     count = 0
     for module in experts_modules(model):

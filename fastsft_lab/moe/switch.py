@@ -104,7 +104,7 @@ def check_moe_routing(model: nn.Module, mode) -> str | None:
     return mode
 
 
-def validate(model: nn.Module, value, options: dict) -> str:
+def validate(model: nn.Module, value, options: dict) -> str | None:
     """The ``moe_routing`` switch's check: a mode this model's experts take (one line otherwise)."""
     return check_moe_routing(model, value)
 

@@ -247,7 +247,7 @@ class _OffloadedLayer(torch.autograd.Function):
         return (*out, token) if call.tuple_out else (out, token)
 
     @staticmethod
-    def backward(ctx, *grad_outputs):
+    def backward(ctx, *grad_outputs) -> tuple:
         call: _Call | None = ctx.call
         if call is None:
             raise RuntimeError(

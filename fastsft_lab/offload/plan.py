@@ -573,7 +573,7 @@ class MemoryPlanner:
         GPU and host allow."""
         costs = [self.costs[k].at(tokens) for k in self.kinds]
         worst = max(c.held["keep"] for c in costs)
-        choices = CHOICES
+        choices: tuple[str, ...] = CHOICES
         host = host_memory_available()
         if self.saved is None or (host is not None and sum(c.pinned for c in costs) > host // 2):
             # off, or the host could not take every layer's activations with room to spare: no offload_saved

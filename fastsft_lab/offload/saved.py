@@ -237,7 +237,7 @@ class SavedOffload:
                 return g
         return None
 
-    def _unpack(self, packed):
+    def _unpack(self, packed) -> torch.Tensor | None:
         if isinstance(packed, torch.Tensor):
             return packed
         entry: _Saved = packed

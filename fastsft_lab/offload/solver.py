@@ -251,7 +251,7 @@ def solve(costs: Sequence[LayerCost], budget: int, base: int, *, staging: int = 
             forward = None
             if forward_base is not None and forward_off is None:   # bounded as the loss is (:func:`predict`)
                 total = min(total, budget - forward_base + at_loss + extra)
-            elif forward_base is not None:
+            elif forward_base is not None and forward_off is not None:
                 forward = budget - forward_base + forward_off + extra
             if not allowed or min(total, backward, math.inf if forward is None else forward) < 0:
                 continue

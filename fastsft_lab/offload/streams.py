@@ -30,6 +30,7 @@ class Trace:
         self.device = device
         self.cuda = device.type == "cuda"
         self._records: list[tuple] = []
+        self._t0: Any
         if self.cuda:
             self._t0 = torch.cuda.Event(enable_timing=True)
             self._t0.record(torch.cuda.current_stream(device))

@@ -118,7 +118,7 @@ class BuildLog:
         log.naive, log.cached
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.naive: Counter = Counter()
         self.cached: Counter = Counter()
 

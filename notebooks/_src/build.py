@@ -11,11 +11,19 @@ import sys
 import nbformat
 
 HERE = pathlib.Path(__file__).parent
+sys.path.insert(0, str(HERE.parents[1]))        # this clone's fastsft_lab
+from fastsft_lab.lab.reading import stamp, stamp_source  # noqa: E402
 
 # Every notebook must run on its own in Colab, so each carries this cell (it cannot live in the library it installs).
+# The package is not published yet: the cell installs it from FASTSFT_LAB_SOURCE (a path, a wheel, or a git URL of a
+# clone), else from the GitHub name it will have once published.
 COLAB_INSTALL = """
 # Colab: Runtime > Change runtime type > a GPU. T4 (16 GB): float16, sdpa/eager attention, the smaller sizes;
 # L4 (24 GB): bfloat16, varlen/flex attention; A100 (40/80 GB): real widths. The parameters cell says what it picked.
+# fastsft_lab is NOT published yet: github.com/fastsft-lab/fastsft_lab does not exist. Set FASTSFT_LAB_SOURCE to
+# where your copy is (a folder uploaded to Colab, a wheel, or "git+https://..." of a clone you can read), e.g.
+#   os.environ["FASTSFT_LAB_SOURCE"] = "/content/fastsft_lab"
+# Without it the cell tries the published name, which only works once the project is published.
 # Elsewhere: `make setup`, or `pip install -e ".[lab,trl]"` from a clone.
 import os, sys
 if "google.colab" in sys.modules:
@@ -24,8 +32,10 @@ if "google.colab" in sys.modules:
     if not torch.cuda.is_available() and os.environ.get("SMOKE", "") != "1":
         raise SystemExit("This Colab runtime has no GPU: Runtime > Change runtime type > T4, L4 or A100 GPU; "
                          "or set os.environ['SMOKE'] = '1' to run the tiny models on the CPU.")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q",   # Colab's own torch stays; the rest as tested
-                    "fastsft_lab[lab,trl] @ git+https://github.com/fastsft-lab/fastsft_lab",
+    source = os.environ.get("FASTSFT_LAB_SOURCE", "git+https://github.com/fastsft-lab/fastsft_lab")
+    package = f"fastsft_lab[lab,trl] @ {source}" if "://" in source else f"{source}[lab,trl]"
+    print(f"installing fastsft_lab from {source}")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", package,   # Colab's own torch stays
                     "transformers==5.17.0", "peft==0.21.2", "accelerate==1.16.0", "bitsandbytes==0.50.2",
                     "trl==1.16.0", "datasets==5.2.0"], check=True)
 """
@@ -42,7 +52,8 @@ def cells(mod) -> list[tuple[str, str]]:
            for kind, text in mod.CELLS]
     if out and out[0][0] == "md":
         where = getattr(mod, "OUTPUTS", None)      # where the committed outputs come from, in the first cell
-        out[0] = ("md", out[0][1] + ("\n\n" + where.strip() if where else "") + "\n\n" + GLOSSARY)
+        first = out[0][1] + ("\n\n" + where.strip() if where else "") + "\n\n" + GLOSSARY
+        out[0] = ("md", stamp_source(first, None))  # the reading time, stamped once the notebook has its outputs
     return out
 
 
@@ -58,6 +69,7 @@ def build(num: str) -> pathlib.Path:
         nb.cells.append(nbformat.v4.new_markdown_cell(text) if kind == "md" else nbformat.v4.new_code_cell(text))
     path = HERE.parent / mod.FILENAME
     nbformat.write(nb, path)
+    stamp(path)             # the sources alone; benchmarks/run_notebooks.py stamps again after execution
     return path
 
 

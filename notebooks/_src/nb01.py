@@ -1,15 +1,16 @@
 FILENAME = "01_packed_metadata.ipynb"
 
 # where the committed outputs come from (appended to the first cell by build.py)
-OUTPUTS = """**The outputs below** come from one run on an NVIDIA H200 (`SMOKE=0`, torch 2.11, transformers 5.17, 2026-12-05;
-run `benchmarks/results/h200-2026-12-05c`, whose README has the log). CI re-runs every cell in smoke mode on a CPU
-(nbval, lax: the outputs are not compared)."""
+OUTPUTS = """**The outputs below** come from a CPU run in smoke mode (`SMOKE=1`, torch 2.13, transformers 5.17, 2026-12-06):
+tiny models, so the live timings show the mechanisms, not GPU speed. Every GPU figure is read from the committed
+results and names its card and run. CI re-runs every cell in smoke mode (nbval, lax: the outputs are not compared)."""
 
 CELLS = [
 ("md", r'''
 # 01 — Packed-sequence metadata caching
 
 [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/fastsft-lab/fastsft_lab/blob/main/notebooks/01_packed_metadata.ipynb)
+(the repository is not published yet: the install cell says how to give it your copy)
 
 **What you will learn**
 - what every attention layer needs to know about a packed row (`cu_seqlens`, `max_seqlen`, a block-diagonal mask),
@@ -22,19 +23,16 @@ CELLS = [
 - how to check it changes no numbers (logits and LoRA gradients against each sequence run alone), then what it buys.
 
 **Prerequisites.** Notebook 00 (how we measure). Runs anywhere: without a GPU in *smoke mode* (tiny Qwen3 and
-GPT-OSS, seconds); on a GPU at Qwen3-14B width when it fits, else Qwen3-0.6B (the parameters cell says which, and
-prints the peak memory the committed H200 run of that configuration measured). The H200 figures further down are
-read from the committed results (`fastsft_lab.lab.results`: a clone's `benchmarks/results/`, or the copy packaged
-with the library on Colab).
+GPT-OSS, seconds); on a GPU at Qwen3-14B width when it fits, else Qwen3-0.6B. The GPU figures further down are
+read from the committed results (`fastsft_lab.lab.results`).
 
 **The problem.** In packed SFT, several sequences share a row and must not see each other. The attention kernel
 needs the segment boundaries. Common code derives them from `position_ids` *inside every layer*: transformers'
 flash-attention path runs `_is_packed_sequence` (a `bool()` of a device tensor), `nonzero` and a `max()` read back
 as a Python int in each layer; Unsloth's pre-cache builders read `.max().item()`, `.sum().item()`, `.tolist()` and
 fill a T×T mask block by block in a Python loop, in each layer. Each read stalls the CPU until the GPU is idle.
-Caching the metadata once per batch is one of the fixes in Unsloth's blog post on packed-sequence training, which
-reports it, on Qwen3-14B QLoRA SFT, as +43.3% forward and +14.3% per batch; a later revision of the same post gives
-~15% for the combined fixes. This notebook measures what the cache alone buys, and where.
+Unsloth's blog post on packed-sequence training reports caching the metadata once per batch, on Qwen3-14B QLoRA
+SFT, as +43.3% forward and +14.3% per batch. This notebook measures what the cache alone buys, and where.
 '''),
 ("colab", ""),                # the shared Colab install cell (build.py)
 ("code", r'''
@@ -60,44 +58,14 @@ print(describe())
 '''),
 ("md", r'''
 ## Parameters
-The equivalence checks always use the tiny models (they run on any machine in seconds, float32, tight tolerances).
-The speed measurement uses the real width on a GPU: the largest choice that fits, the backends this GPU can train
-with (torch's varlen kernel needs sm80+), and its dtype (bf16 from sm80 on, fp16 on a T4).
-The cell also prints the peak memory the committed H200 run of each GPU choice measured.
+The equivalence checks always use the tiny models (any machine, seconds, float32, tight tolerances). The speed
+measurement uses the real width on a GPU: the largest choice that fits, the backends this GPU can train with
+(torch's varlen kernel needs sm80+) and its dtype (`fastsft_lab/lab/nbparams.py` lists the choices).
 '''),
 ("code", r'''
-# GiB each GPU choice needs: the committed H200 peak of the same configuration (printed below) plus headroom
-CHOICES = {"qwen3-14b": dict(layers=8, gib=16),       # 8 of its 40 layers at real width, 4096 tokens
-           "qwen3-0.6b": dict(layers=28, gib=11)}     # all 28 layers, 4096 tokens: fits a 16 GB T4
-DEVICE = PROFILE.device
-BENCH_MODEL = PROFILE.pick({name: c["gib"] for name, c in CHOICES.items()}) if not SMOKE else None
-if not SMOKE and BENCH_MODEL is None:
-    print(f"{PROFILE.name}: {PROFILE.memory_gib:.0f} GiB is less than the smallest choice needs: smoke sizes instead")
-    SMOKE = True
-if SMOKE:
-    BENCH_MODEL, NUM_LAYERS, TOKENS, MIX, STEPS = "tiny-qwen3", None, 512, "short", 4
-    BACKENDS = ["sdpa"]    # on a CPU varlen is a slow reference kernel, flex has no backward, xformers/flash no kernels
-    DTYPE, QUANT = PROFILE.dtype, None
-    why = "smoke mode: a tiny Qwen3, sdpa"
-    if DEVICE == "cpu":
-        torch.set_num_threads(1)   # tiny models: threads only add noise on a small shared CPU
-else:
-    NUM_LAYERS, TOKENS, MIX, STEPS = CHOICES[BENCH_MODEL]["layers"], 4096, "realistic", 6
-    # flex is left out here (its torch.compile takes minutes); the committed H200 results below include it
-    BACKENDS = [b for b in ("sdpa", "varlen") if b in PROFILE.packed_backends]
-    DTYPE, QUANT = PROFILE.dtype, "nf4"
-    why = (f"{BENCH_MODEL} is the largest choice whose need ({CHOICES[BENCH_MODEL]['gib']} GiB) fits in "
-           f"{PROFILE.memory_gib:.0f} GiB; backends this GPU trains with: {', '.join(BACKENDS)}")
-print(PROFILE.describe())
-print(why)
-print(dict(BENCH_MODEL=BENCH_MODEL, NUM_LAYERS=NUM_LAYERS, TOKENS=TOKENS, MIX=MIX, BACKENDS=BACKENDS, DEVICE=DEVICE,
-           DTYPE=str(DTYPE)))
-# what the GPU choices took on the H200: the peak of stock transformers' step in the newest committed run of each
-for name, c in CHOICES.items():
-    peak, doc = results.newest_peak_gib("packed_metadata", variant="stock sdpa", model=name, num_layers=c["layers"],
-                                        tokens_per_step=4096, mix="realistic", backend="sdpa")
-    print(f"{name} ({c['layers']} layers, 4096 tokens): needs {c['gib']} GiB here; " +
-          (f"the H200 peaked at {peak:.1f} GiB [{results.describe_run(doc)}]" if peak else "no committed run of stock transformers here"))
+from fastsft_lab.lab.nbparams import parameters
+
+globals().update(parameters("01", PROFILE, SMOKE))   # BENCH_MODEL, NUM_LAYERS, TOKENS, BACKENDS, ..., and why
 '''),
 ("md", r'''
 ## A packed batch and its metadata
@@ -168,25 +136,17 @@ What happens, precisely (transformers 5.17):
 ("md", r'''
 ## The naive path measured: syncs in every layer
 `fastsft_lab.apply(model, packed_attention=backend, packed_metadata_cache=False)` runs our backends with the metadata
-rebuilt in every layer
-from `position_ids`, as the code we are replacing does (each backend's naive builder sits next to its cached one in
-`fastsft_lab/packing/backends/<backend>.py`, with every sync it pays and where the pattern comes from). Counted
-with `SyncCounter` (it counts on a CPU the operations that would sync a GPU), per decoder layer, over one forward.
+rebuilt in every layer from `position_ids`, as the code we are replacing does (each backend's naive builder sits next
+to its cached one in `fastsft_lab/packing/backends/<backend>.py`, with every sync it pays). `SyncCounter` counts,
+per decoder layer, the operations that would sync a GPU (on a CPU too). Under gradient checkpointing they are paid
+twice (forward and recompute), in every layer; the SDPA path also loops over the segments in Python and builds a
+fresh T×T mask per layer.
 
-On a GPU each of those is a full stop of the launch queue. In a training step with gradient checkpointing they are
-paid twice (forward and recompute), in every layer: for SDPA at 40 layers, 4 × 40 × 2 = 320 stalls per step (the
-count notebook 00 prints for its naive variant). The SDPA path also pays a Python loop over the segments (about six
-small kernels per segment) and a fresh T×T mask per layer.
-
-The timeline after the counts draws one forward of each path, at the width the speed measurement below uses
-(on a GPU: four of the model's layers at real width, `TOKENS` tokens; in smoke mode the tiny model): host operations
-in grey, **red where the host waits for the device**, and on a GPU the kernels in blue. The naive lane stops in every
-layer; the cached lane builds the device side once, in the first layer (a non-blocking copy, no wait), and never
-stops. Read a red bar as a wait, not as work: the host stops until the GPU has run what was queued, so the bar is
-as long as that backlog; the cost is the gap that follows on the GPU lane (the queue ran dry) and the host work
-(for SDPA the mask and the loop over segments) that the host could otherwise have done ahead of the GPU. On a CPU
-there is no GPU lane: the red marks show where a GPU run would stall. The cell stops with an error if a layer of the
-naive path pays no sync.
+The timeline draws one forward of each path at the width the speed measurement below uses (on a GPU four layers at
+real width): host operations in grey, **red where the host waits for the device**, on a GPU the kernels in blue. A
+red bar is a wait, as long as the GPU's backlog; the cost is the gap that follows on the GPU lane. The naive lane
+stops in every layer; the cached lane builds the device side once, in the first layer, and never stops. The cell
+stops with an error if a layer of the naive path pays no sync.
 '''),
 ("code", r'''
 import fastsft_lab
@@ -361,25 +321,20 @@ for backend in BACKENDS:
     display(fig); plt.close(fig)
 '''),
 ("md", r'''
-### On the H200 (committed results)
-The full benchmark (`python -m fastsft_lab bench --only packed`, and `--set packed.sweep=true` for the regime map)
-writes one JSON per configuration. Every committed configuration, the newest measurement of each, with the run it
-comes from; a configuration whose naive variant failed in its newest run says so instead of a ratio.
-
-The headline configuration, Qwen3-14B width at 8192 tokens of realistic lengths, from the newest run that measured
-all three backends there: every variant's step time, stock transformers included, then one chart per backend. Read each row against stock transformers first: at this width what
-beats stock is the kernel (varlen or flex against SDPA), far more than the cache. The table shows the newest
-measurement of each configuration; the headline comes from one session that ran all three backends, which can be an
-older one: where they differ (a configuration whose newest run failed), the table is the newest word, and the regime
-map below draws that point as missing. Last, what the committed runs say, computed from them.
+### On the GPU (committed results)
+The full benchmark (`python -m fastsft_lab bench --only packed`, `--set packed.sweep=true` for the regime map)
+writes one JSON per configuration; every configuration, the newest measurement of each, is tabled in
+[docs/results.md](../docs/results.md) (the regime table). Here: the headline configuration, Qwen3-14B width at 8192
+tokens of realistic lengths, from the newest run that measured all three backends there: every variant's step time
+against stock transformers, then one chart per backend. At this width what beats stock is the kernel (varlen or
+flex against SDPA), far more than the cache. Last, what the committed runs say, computed from them.
 '''),
 ("code", r'''
 from fastsft_lab.lab import report
 
 gpu = results.packed_configs()          # the newest measurement of each configuration that ran the naive path
-print(report.packed_configs_text(gpu))
 headline = results.packed_headline("qwen3-14b", tokens=8192, mix="realistic")
-print("\n" + report.packed_variants_text(headline))
+print(report.packed_variants_text(headline))
 for d in headline:
     c = d["config"]
     fig = plots.plot_result(d, phases=("forward", "step"), limit=f"{c['backend']} oracle",
@@ -413,25 +368,21 @@ for model in sorted({results.packed_key(d)[:2] for d in collated}):
         display(fig); plt.close(fig)
 '''),
 ("md", r'''
-### What the H200 runs say
-- **The limit is reached**: wherever a step is long enough to measure reliably, the cached path runs as fast as the
-  oracle (metadata prebuilt outside the timed region); the exceptions the first H200 cell lists are short, host-bound
-  steps whose own spread is as large as the difference.
-- **The gain is a regime result.** Many short sequences, thin layers (Qwen3-0.6B) and the SDPA dense mask make it
-  large — there Unsloth's published forward gain is reproduced and exceeded; long rows and kernels that take
-  `cu_seqlens` directly (varlen) leave little to win.
+### What the GPU runs say
+- **Against the limit**: the findings above count the configurations where the cached path runs within 1% of the
+  oracle (metadata prebuilt outside the timed region), and list those whose difference is larger than the oracle's
+  own spread: there the cache still costs something measurable.
+- **The gain is a regime result**, read in the largest and smallest gains above: the naive path pays most where it
+  rebuilds more per layer (SDPA's T×T mask, the per-segment loop of `segments`) and where the layer's own work is
+  small next to it; kernels that take `cu_seqlens` directly (varlen) leave little to win.
 - **Against stock transformers** at Qwen3-14B width and 8k tokens, the backend choice (varlen or flex against SDPA)
   matters more than the cache (the headline table above).
-- **flex on the H200's torch**: packed GPT-OSS in bf16 can route a near-tie token to another expert than the same
-  sequence run alone (one token of the test batch; the attention itself matches a float32 reference within bf16
-  noise, and in float32 packed == alone exactly), so the MoE test compares the tokens routed alike. At 16k tokens
-  `create_block_mask` compiles for minutes; the cached path builds its `BlockMask` from host lengths instead. Once
-  transformers' own flex path has compiled flex (with dynamic shapes), a new row length failed for every flex caller
-  in that process; our kernel compiles a frame of its own and keeps working there (transformers' path and our
-  naive mimic of it still fail: the failed rows of the table). With flex, give the collator `max_tokens` (every row
-  padded to one length: one shape).
+- **flex**: packed GPT-OSS in bf16 can route a near-tie token to another expert than the same sequence run alone
+  (in float32 packed == alone exactly; notebook 03 counts such flips), so the MoE test compares the tokens routed
+  alike. At 16k tokens `create_block_mask` compiles for minutes; the cached path builds its `BlockMask` from host
+  lengths instead. With flex, give the collator `max_tokens` (every row one length: one compiled shape).
 
-Tables and session notes: `benchmarks/results/h200-*/RESULTS.md` and `README.md`.
+Session notes: `benchmarks/results/<run>/README.md`.
 '''),
 ("md", r'''
 ## What it costs

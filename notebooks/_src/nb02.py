@@ -1,15 +1,16 @@
 FILENAME = "02_double_buffered_offload.ipynb"
 
 # where the committed outputs come from (appended to the first cell by build.py)
-OUTPUTS = """**The outputs below** come from one run on an NVIDIA H200 (`SMOKE=0`, torch 2.11, transformers 5.17, 2026-12-05;
-run `benchmarks/results/h200-2026-12-05b`, whose README has the log). CI re-runs every cell in smoke mode on a CPU
-(nbval, lax: the outputs are not compared)."""
+OUTPUTS = """**The outputs below** come from a CPU run in smoke mode (`SMOKE=1`, torch 2.13, transformers 5.17, 2026-12-06):
+tiny models, so the live timings show the mechanisms, not GPU speed. Every GPU figure is read from the committed
+results and names its card and run. CI re-runs every cell in smoke mode (nbval, lax: the outputs are not compared)."""
 
 CELLS = [
 ("md", r'''
 # 02 — Double-buffered checkpoint reloads
 
 [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/fastsft-lab/fastsft_lab/blob/main/notebooks/02_double_buffered_offload.ipynb)
+(the repository is not published yet: the install cell says how to give it your copy)
 
 **What you will learn**
 - how CPU-offloaded gradient checkpointing works: each decoder layer's input goes to pinned host memory in the
@@ -22,12 +23,10 @@ CELLS = [
 
 **Prerequisites.** Runs anywhere. Without a GPU it runs in *smoke mode*: a tiny Qwen3 on the CPU, where there are
 no streams and every copy is synchronous, so CPU timelines show *what* runs, not overlap. The GPU pictures and
-numbers of the H200 runs (Qwen3-14B width, NF4 + LoRA r=16) are read from the committed results
-(`fastsft_lab.lab.results`: a clone's `benchmarks/results/`, or the copy packaged with the library on Colab). With
-a GPU the notebook builds Qwen3-14B (10 of its layers at real width, random weights) when it fits, else Qwen3-0.6B;
-the parameters cell says which, and prints the peak memory the committed H200 runs of those
-configurations measured (the equivalence check's run without checkpointing is the largest). On a GPU that shares
-its memory with the host (unified memory), offloading moves nothing, so the timing cells are skipped there.
+numbers (Qwen3-14B width, NF4 + LoRA r=16) are read from the committed results (`fastsft_lab.lab.results`). With a
+GPU the notebook builds Qwen3-14B (10 of its layers at real width, random weights) when it fits, else Qwen3-0.6B.
+On a GPU that shares its memory with the host (unified memory), offloading moves nothing, so the timing cells are
+skipped there.
 
 **The problem.** Transformers' own offload option (`gradient_checkpointing_enable(offload=True)`) copies on the
 compute stream ("the step gets slower", its docstring says); torchtune's and TRL's offloading allocate fresh pinned
@@ -63,51 +62,13 @@ print(describe())
 '''),
 ("md", r'''
 ## Parameters
-Everything below is derived from these. In smoke mode the sizes are tiny; on a GPU they are the largest real ones
-that fit. The cell also prints the peak memory the committed H200 runs of these configurations measured.
+Tiny sizes in smoke mode; on a GPU the largest choice that fits (`fastsft_lab/lab/nbparams.py`: each choice and the
+memory it needs; the equivalence check's step without checkpointing is the largest).
 '''),
 ("code", r'''
-# GiB each GPU choice needs: the committed H200 peaks of these configurations (next cell) plus headroom; the
-# equivalence check runs the model once without checkpointing at EQ_TOKENS, the largest of its steps.
-CHOICES = {"qwen3-14b": dict(layers=10, tokens=16384, eq_tokens=8192, gib=56),   # 10 of 40 layers, real width
-           "qwen3-0.6b": dict(layers=28, tokens=4096, eq_tokens=2048, gib=12)}   # all layers: fits a 16 GB T4
-DEVICE = PROFILE.device
-MODEL = PROFILE.pick({name: c["gib"] for name, c in CHOICES.items()}) if not SMOKE else None
-if not SMOKE and MODEL is None:
-    print(f"{PROFILE.name}: {PROFILE.memory_gib:.0f} GiB is less than the smallest choice needs: smoke sizes instead")
-    SMOKE = True
-if SMOKE:
-    MODEL, NUM_LAYERS, QUANT, LORA_RANK = "tiny-qwen3", 6, None, 8
-    TOKENS, ROW_TOKENS, EQ_TOKENS, STEPS = 512, 256, 256, 3
-    why = "smoke mode: a tiny Qwen3 (6 layers)"
-    if DEVICE == "cpu":
-        torch.set_num_threads(1)   # tiny model: threads only add noise on a small shared CPU
-else:
-    c = CHOICES[MODEL]
-    NUM_LAYERS, QUANT, LORA_RANK = c["layers"], "nf4", 16
-    TOKENS, EQ_TOKENS, STEPS = c["tokens"], c["eq_tokens"], 4
-    ROW_TOKENS = min(8192, TOKENS)
-    why = f"{MODEL} is the largest choice whose need ({c['gib']} GiB) fits in {PROFILE.memory_gib:.0f} GiB"
-DTYPE = PROFILE.dtype         # bf16 from sm80 on, fp16 on a T4, float32 on a CPU
-TIME_OFFLOAD = not PROFILE.unified_memory
-print(PROFILE.describe())
-print(why)
-if not TIME_OFFLOAD:
-    print("unified memory: host and GPU share one memory, so an offload copy moves nothing and only costs time; "
-          "the timing cells are skipped (the correctness checks still run)")
-print(dict(MODEL=MODEL, NUM_LAYERS=NUM_LAYERS, QUANT=QUANT, TOKENS=TOKENS, EQ_TOKENS=EQ_TOKENS, DEVICE=DEVICE,
-           DTYPE=str(DTYPE)))
-# what these configurations took on the H200 (peak memory of the newest committed run of each)
-for what, (peak, doc) in [
-        ("qwen3-14b x10, 16384 tokens, standard checkpointing", results.newest_peak_gib(
-            "offload", variant="checkpointing (standard)", model="qwen3-14b", num_layers=10, tokens_per_step=16384)),
-        ("qwen3-14b x10, 8192 tokens, no checkpointing", results.newest_peak_gib(
-            "offload", variant="no checkpointing", model="qwen3-14b", num_layers=10, tokens_per_step=8192)),
-        ("qwen3-0.6b x28, 4096 tokens, standard checkpointing", results.newest_peak_gib(
-            "packed_metadata", model="qwen3-0.6b", num_layers=28, tokens_per_step=4096, mix="realistic", backend="sdpa"))]:
-    print(f"{what:52s} " + (f"{peak:5.1f} GiB on the H200  [{results.describe_run(doc)}]" if peak else "not measured"))
-for name, c in CHOICES.items():
-    print(f"{name} x{c['layers']}, {c['tokens']} tokens (equivalence check at {c['eq_tokens']}): needs {c['gib']} GiB here")
+from fastsft_lab.lab.nbparams import parameters
+
+globals().update(parameters("02", PROFILE, SMOKE))   # MODEL, NUM_LAYERS, TOKENS, ..., TIME_OFFLOAD, and why
 '''),
 ("md", r'''
 ### The schedule, in principle
@@ -115,7 +76,7 @@ Before measuring anything, here is what the stream dependencies the offload code
 and compute durations (`fastsft_lab.lab.timelines.simulate_schedule` — a **model**, not a run). The rule that
 matters: the reload of layer k waits for its staging slot to be freed by the backward of the last layer that used
 it. With one buffer that is layer k+1, the layer just before it in the backward; with two buffers it is layer k+2.
-The durations are the per-layer means of the committed H200 timeline.
+The durations are the per-layer means of the committed GPU timeline.
 '''),
 ("code", r'''
 from fastsft_lab.lab.timelines import simulate_schedule, copy_overlap, span_ms, per_layer_means
@@ -129,7 +90,7 @@ print(f"per-layer means measured with one buffer at {doc['config']['tokens_per_s
 model_one = simulate_schedule(8, fwd_ms=fwd, bwd_ms=bwd, copy_ms=copy, buffers=1)
 model_two = simulate_schedule(8, fwd_ms=fwd, bwd_ms=bwd, copy_ms=copy, buffers=2)
 fig = plots.plot_timelines({"MODEL - one staging buffer": model_one, "MODEL - two staging buffers": model_two},
-                           suptitle=f"schedule model, 8 layers, with the H200's per-layer durations")
+                           suptitle=f"schedule model, 8 layers, with the committed run's per-layer durations")
 display(fig); plt.close(fig)
 print(f"model: two buffers save {span_ms(model_one) - span_ms(model_two):.2f} ms of {span_ms(model_one):.2f} ms "
       f"({span_ms(model_one) / span_ms(model_two) - 1:+.1%})")
@@ -141,8 +102,9 @@ tiny Qwen3 in float32 in smoke mode. Batches are packed rows from the synthetic 
 `fastsft_lab.apply(model, offload_buffers=1)` turns on the single-buffer "before": it plugs
 into transformers' own hook (`GradientCheckpointingLayer._gradient_checkpointing_func`), so PEFT wrappers and every
 layer kwarg (rotary cos/sin, masks, notebook 01's `packed_metadata`) pass through untouched. The cell builds the
-model, traces one step with one staging buffer after a warm-up step (the first step allocates the pinned pool, and
-would draw that instead), then draws the committed H200 trace of the same configuration.
+model and traces one step with one staging buffer after a warm-up step (the first step allocates the pinned pool,
+and would draw that instead). The committed GPU trace of the same configuration follows the fix, beside the double
+buffer's.
 '''),
 ("code", r'''
 from fastsft_lab.models import build_model, LoraSettings
@@ -175,17 +137,6 @@ if TIME_OFFLOAD:
           + (f", compute waited {ov['reload_stall_ms']:.2f} ms for them" if DEVICE == "cuda" else ""))
 else:
     print("unified memory: no timeline measured here (an offload copy moves nothing on this GPU)")
-
-# the same picture from the H200 run (committed, not re-run here)
-doc = gpu["timeline"][-1]
-c = doc["config"]
-fig = plots.plot_timelines({"one staging buffer": doc["timelines"]["offload x1 (single buffer)"]},
-                           suptitle=f"H200: {c['model']} x{c['num_layers']} layers, {c['tokens_per_step']} tokens "
-                                    f"(CUDA events)")
-display(fig); plt.close(fig)
-ov = doc["overlap"]["offload x1 (single buffer)"]
-print(f"one buffer: reloads hidden behind compute {ov['h2d_hidden_share']:.0%}, compute waited "
-      f"{ov['reload_stall_ms']:.1f} ms for them  [{results.describe_run(doc)}]")
 '''),
 ("md", r'''
 ## The fix: two staging buffers, per-slot events, prefetch
@@ -200,7 +151,7 @@ print(f"one buffer: reloads hidden behind compute {ov['h2d_hidden_share']:.0%}, 
   forward order), so it issues the reload of layer k-1 before launching its own kernels.
 - **Staging buffers live on the copy stream.** They are allocated on the stream that writes them first, so the
   caching allocator's stream ordering covers the memory's previous users, and `record_stream` on the compute
-  stream covers the reads when they are freed. (The first H200 run showed why this matters, below.)
+  stream covers the reads when they are freed. (The first GPU run showed why this matters, below.)
 - **Same kernels as standard checkpointing.** The offloaded forward runs with grad mode on but keeps nothing
   (a `saved_tensors_hooks` pair drops what autograd would save, as torch's non-reentrant checkpoint does):
   kernels whose choice can depend on whether inputs require grad (SDPA's backend and variant) choose the same.
@@ -227,11 +178,8 @@ run with no checkpointing at all — the reference that nothing here touches. Lo
 their gradients even though that layer's input does not require grad (torch's reentrant checkpoint would silently
 drop them).
 
-**What the first H200 run showed.** At real size an earlier version of this check failed for every offload mode
-while the tiny CUDA tests passed: the staging buffers were allocated on the compute stream but first written by the
-copy stream, so the allocator could hand a reload memory whose previous users were still queued (hence the bullet
-above). After the fix every mode matched within bf16 noise. The history, with both runs:
-`benchmarks/results/h200-2026-12-02/README.md` and `benchmarks/results/h200-2026-12-02b/README.md`.
+The first GPU run found a stream-ordering bug the tiny CUDA tests had missed (its history:
+`benchmarks/results/h200-2026-12-02/README.md`); the next cell checks that ordering on any machine.
 '''),
 ("md", r'''
 **The ordering, checked on any machine.** Every stream operation the manager issues (waits, event records, copies,
@@ -336,7 +284,7 @@ if TIME_OFFLOAD:
             print(f"{name:24s} reload copies {ov['h2d_ms']:.3f} ms in all (synchronous on a CPU: nothing to hide)")
 '''),
 ("md", r'''
-### On the H200 (committed results)
+### On the GPU (committed results)
 The same two timelines (warm steps), then every variant at every token count of the newest committed offload run
 (`results.offload_results` keeps one document per token count: the one with the most variants), with the figures
 the benchmark derives from them and the targets of the issue. In the table each cell is the step time, the speed
@@ -349,7 +297,7 @@ from fastsft_lab.lab.scenarios.offload import results_table
 doc = gpu["timeline"][-1]
 c = doc["config"]
 tl = {k: doc["timelines"][k] for k in ("offload x1 (single buffer)", "offload x2 + prefetch") if k in doc["timelines"]}
-fig = plots.plot_timelines(tl, suptitle=f"H200: {c['model']} x{c['num_layers']} layers, {c['tokens_per_step']} tokens "
+fig = plots.plot_timelines(tl, suptitle=f"{results.describe_run(doc).split(',')[0]}: {c['model']} x{c['num_layers']} layers, {c['tokens_per_step']} tokens "
                                         f"(CUDA events, warm steps)")
 display(fig); plt.close(fig)
 print(report.offload_overlap_text(doc))
@@ -393,12 +341,12 @@ print(report.offload_vram_text(gpu["vram"]))
 '''),
 ("md", r'''
 ### Where does the second buffer matter?
-The regime sweep of the H200 run (several widths and row lengths, a few layers each): the gain of two buffers +
+The regime sweep of the committed GPU run (several widths and row lengths, a few layers each): the gain of two buffers +
 prefetch over one buffer against the measured ratio of reload time to layer backward time, with the schedule
 model's curve for comparison.
 
 **Beyond this GPU: slower links.** The published +6.7% came from a B200, whose pinned host link is no faster than
-this H200's; what decides the double buffer's worth is the copy time per layer against the layer's compute. The
+an H200's; what decides the double buffer's worth is the copy time per layer against the layer's compute. The
 `offload_link` scenario runs the same step behind emulated slower links (every offload copy padded with dummy bytes
 over the same link, so it takes as long as it would at the target bandwidth, using no SM) and checks the timeline
 model against every point: the second chart.
@@ -417,31 +365,23 @@ if link is not None:
 '''),
 ("md", r'''
 ### When to offload, when to recompute, when neither
-Offloading and recomputing both buy memory with time; with memory to spare, neither is worth its cost. On the H200
-(README recipe, 2026-12-04) checkpointing off was 1.41x faster than offload x2 at Qwen3-14B x40 8k (1212 vs 1704 ms)
-for 74.5 GiB more memory, and 1.41x at GPT-OSS-20B x24 (363 vs 512 ms) for 20.5 GiB more. Between "everything kept"
-and "every layer offloaded" there is a whole frontier, layer by layer:
+Offloading and recomputing both buy memory with time; with memory to spare, neither is worth its cost. Between
+"everything kept" and "every layer offloaded" there is a whole frontier, layer by layer:
 - **keep** a layer's activations while memory lasts: no recompute at all;
 - **selective**: save only the matmul and attention outputs and recompute the cheap elementwise ops, norms and
-  activations: on paper most of the recompute's time back for a fraction of the memory; on the H200 (run
-  `h200-2026-12-05b`) it took longer than recomputing the whole layer, so no plan there picked it;
+  activations (on paper most of the recompute's time back for a fraction of the memory; the plan measures whether
+  it pays on this GPU);
 - **checkpoint** (input kept) or **offload** (input in pinned host memory, the double buffer of this notebook): the
   whole layer recomputed; offload also frees the input, at the price of the copies where they are not hidden;
-- **offload_saved**: nothing recomputed, every saved activation in pinned host memory with the same double buffer
-  (the previous layer's come back under the current layer's backward). It moves a whole layer's activations — about
-  25 times its input at Qwen3-14B width — so it pays only where the link is that much faster than this notebook's
-  (NVLink C2C hosts) or the rows are short; the plan prices it from the link it measures.
+- **offload_saved**: nothing recomputed, every saved activation in pinned host memory with the same double buffer;
+  it moves a whole layer's activations, so it pays only on a much faster link or at short rows.
 
-Where each choice goes matters too. The backward runs the layers last to first: the last layer's activations are
-rebuilt first, beside everything the earlier layers hold, the first layer's last, when the later ones are freed. So
-a kept *last* layer costs about nothing where that first recompute sets the step's peak, and a recompute costs least
-in the *first* layers. On an H100 (Qwen3-14B x8, `h100-2026-12-05g`) "last layer kept, 7 offloaded" peaked at 6.60
-GiB like "8 offloaded" and ran 1.10x Unsloth's step at Unsloth's own peak (6.65 GiB); the plan predicts each phase
-of the step apart (forward, loss, backward) to see it.
-
-`fastsft_lab.apply(model, memory_budget=80)` measures each choice on the first step and picks the fastest mix that
-fits 80 GiB (`fastsft_lab.offload.plan`; every mix computes what plain training computes, tested on the CPU).
-`bench --only budget` measures the frontier; notebook 04 draws the ones committed from GPU runs.
+Where each choice goes matters too: the backward rebuilds the last layer first, beside everything the earlier layers
+hold, so a kept *last* layer costs about nothing where that first recompute sets the peak, and a recompute costs
+least in the *first* layers. `fastsft_lab.apply(model, memory_budget=80)` measures each choice on the first step and
+picks the fastest mix that fits 80 GiB (`fastsft_lab.offload.plan`; every mix computes what plain training computes,
+tested on the CPU). Notebook 04 draws the committed frontier (`bench --only budget`), each plan's step and peak
+beside checkpointing off, the README recipe and Unsloth's, computed from the committed results.
 '''),
 ("md", r'''
 ## Summary, next bottleneck and further reading
@@ -449,8 +389,8 @@ fits 80 GiB (`fastsft_lab.offload.plan`; every mix computes what plain training 
   goes to a reused pinned pool on a copy stream and comes back into a staging buffer.
 - With one staging buffer, reloads and backward compute take turns; with two buffers (slot = parity, free/ready
   events per slot) and a prefetch the reload runs under the previous layer's backward. The gain is the exposed copy
-  time: large when copies are slow relative to compute (narrow layers, short rows, slower links, or a design that
-  also serialises the forward copies), small on a fast GPU at long sequences — the sweep shows the regime.
+  time, so it follows the ratio of reload to backward time: the emulated links show it growing as the link slows;
+  on a fast link the sweep's gains are a few percent at most, whatever the width.
 - Numbers unchanged: exact in float32 on a CPU, and within bf16 noise of standard checkpointing at real size on a
   GPU (the equivalence cell above, on the machine printed at the top, says so for this run); no leak; an exact way
   back: `fastsft_lab.apply(model, offload_buffers="off")`.

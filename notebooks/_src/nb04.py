@@ -1,32 +1,31 @@
 FILENAME = "04_all_three_together.ipynb"
 
 # where the committed outputs come from (appended to the first cell by build.py)
-OUTPUTS = """**The outputs below** come from one run on an NVIDIA H100 80GB HBM3 (`SMOKE=0`, torch 2.11, transformers 5.17,
-2026-12-05; run `benchmarks/results/h100-2026-12-05e`, whose README has the log; no H200 came that session), every
-code cell; the frontier cell, which reads committed results only, was redrawn after the latest frontier was committed
-(`h100-2026-12-05h`; `benchmarks/run_notebooks.py --redraw`). In that run the live tables' `vs ref` was against transformers default,
-which on GPT-OSS lets packed sequences attend to each other (hence its 1.5e+00 against our exact rows); the cell now
-checks against all naive, exact packing, as `bench --only combined` does. The live cells run Qwen3-14B at 8 of its 40 layers and GPT-OSS-20B at 4 of
-its 24; every full-depth figure is read from the committed GPU results, each with its card and run. CI re-runs every
-cell in smoke mode on a CPU (nbval, lax: the outputs are not compared)."""
+OUTPUTS = """**The outputs below** come from a CPU run in smoke mode (`SMOKE=1`, torch 2.13, transformers 5.17, 2026-12-06):
+tiny models, so the live timings show the mechanisms, not GPU speed. Every full-depth figure is read from the
+committed GPU results and names its card and run. CI re-runs every cell in smoke mode (nbval, lax: the outputs are
+not compared)."""
 
 CELLS = [
 ("md", r'''
 # 04 — All three together: one training run, against stock transformers, TRL and Unsloth
 
 [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/fastsft-lab/fastsft_lab/blob/main/notebooks/04_all_three_together.ipynb)
+(the repository is not published yet: the install cell says how to give it your copy)
 
 **What you will learn**
 - what the three fixes of notebooks 01–03 give *together* in a real training step, and which part of the gain each
-  one earns: a waterfall from stock transformers to "all fast", and an ablation that turns one fix back at a time;
+  one earns: the chain from transformers' default on the fast-kernel floor, and an ablation that turns one fix back
+  at a time;
 - how that compares with stock transformers, TRL's activation offloading and Unsloth, which published these fixes;
 - that the combined path still trains the same model: bitwise where a switch moves no arithmetic, within a derived
   float32 bound where it reorders sums;
 - how to flip the switches one at a time on a live model (the switchboard), and where the step's time goes now.
 
 **Prerequisites.** Notebooks 00–03. Runs anywhere: without a GPU in *smoke mode* (tiny Qwen3 and GPT-OSS, a few
-minutes); with a GPU at real width (the parameters cell picks what fits and says why: Qwen3-14B x8, and GPT-OSS-20B
-x4 where 40 GiB fit). The H200 figures are read from the committed results (`fastsft_lab.lab.results`).
+minutes); with a GPU at real width (Qwen3-14B x8, and GPT-OSS-20B x4 where 40 GiB fit). Every live step runs under
+`torch.autocast(bfloat16)` on a GPU, as `SFTTrainer(bf16=True)` does. The full-depth figures are read from the
+committed results (`fastsft_lab.lab.results`).
 
 **The problem.** Each fix was measured alone, at reduced depth. A user trains with all of them at full depth,
 inside a trainer, with a fused loss and fast kernels underneath. The published figure for the three glue fixes
@@ -57,45 +56,23 @@ print(describe())
 '''),
 ("md", r'''
 ## Parameters
-The live cells use models that fit this machine; the committed H200 results use the full models (Qwen3-14B, all 40
-layers; GPT-OSS-20B, all 24). On a GPU every live step runs under `torch.autocast(bfloat16)`, as
-`SFTTrainer(bf16=True)` does.
+The live cells use models that fit this machine (`fastsft_lab/lab/nbparams.py`); the committed results use the full
+models (Qwen3-14B, all 40 layers; GPT-OSS-20B, all 24).
 '''),
 ("code", r'''
-CHOICES = {   # GiB each needs; the models are built one after the other, so the larger one sets the need
-    "qwen3-14b x8 (NF4) and gpt-oss-20b x4": dict(models=[("qwen3-14b", 8), ("gpt-oss-20b", 4)], tokens=8192, gib=40),
-    "qwen3-14b x8 (NF4)": dict(models=[("qwen3-14b", 8)], tokens=8192, gib=24),
-    "qwen3-0.6b, all layers": dict(models=[("qwen3-0.6b", None)], tokens=4096, gib=10)}
-DEVICE, DTYPE = PROFILE.device, PROFILE.dtype
-CHOICE = PROFILE.pick({k: c["gib"] for k, c in CHOICES.items()}) if not SMOKE else None
-if not SMOKE and CHOICE is None:
-    print(f"{PROFILE.name}: {PROFILE.memory_gib:.0f} GiB is less than the smallest choice needs: smoke sizes instead")
-    SMOKE = True
-if SMOKE:
-    MODELS, TOKENS, STEPS, BACKEND = [("tiny-qwen3", None), ("tiny-gpt-oss", None)], 512, 3, "sdpa"
-    why = "smoke mode: tiny models with the real structure"
-else:
-    MODELS, TOKENS, STEPS = CHOICES[CHOICE]["models"], CHOICES[CHOICE]["tokens"], 4
-    BACKEND = PROFILE.packed_backends[0]
-    why = f"{CHOICE}: the largest choice whose need ({CHOICES[CHOICE]['gib']} GiB) fits in {PROFILE.memory_gib:.0f} GiB"
-AUTOCAST = "bf16" if DEVICE == "cuda" and DTYPE == torch.bfloat16 else "none"
-if DEVICE == "cpu":
-    torch.set_num_threads(1)
-print(PROFILE.describe())
-print(why)
-models = ", ".join(f"{p} x{n}" if n else f"{p}, all layers" for p, n in MODELS)
-print(f"{models} | {TOKENS} tokens/step | packed attention {BACKEND} | autocast {AUTOCAST} | {DEVICE}, "
-      f"{str(DTYPE).replace('torch.', '')}")
+from fastsft_lab.lab.nbparams import parameters
+
+globals().update(parameters("04", PROFILE, SMOKE))   # MODELS, TOKENS, BACKEND, AUTOCAST, ..., and why
 '''),
 ("md", r'''
 ## Before and after, measured: stock, all naive, all fast, and the ablation
 The harness interleaves the variants step by step on the same batches (notebook 00). `combined_variants` is the
-benchmark's own list: **transformers default** (stock; GPT-OSS's eager attention lets packed sequences attend to
-each other), **all naive** (the packed attention kernel with each glue fix in its "before" form: metadata rebuilt
-in every layer, one staging buffer, the per-expert loop), **all fast**, and the ablation: all fast with one fix
-turned back. Read each bar against the one before it: default → all naive is the attention kernel (and exact
-packing), all naive → all fast is the three glue fixes. On a CPU the timings show the mechanisms (host syncs gone),
-not GPU speed; the cell stops with an error where the sync counts do not hold.
+benchmark's own list: **transformers default** (its attention, `grouped_mm` experts and checkpointing; GPT-OSS's
+eager attention lets packed sequences attend to each other), **all naive** (the packed attention kernel with each
+glue fix in its "before" form: metadata rebuilt in every layer, one staging buffer, transformers' default experts),
+**all fast**, and the ablation: all fast with one fix turned back. Default → all naive is the attention kernel
+(and exact packing), all naive → all fast the three glue fixes. On a CPU the timings show the mechanisms (host syncs
+gone), not GPU speed; the cell stops with an error where the sync counts do not hold.
 '''),
 ("code", r'''
 from fastsft_lab.models import build_model, get_preset, LoraSettings
@@ -123,8 +100,9 @@ def batches_for(model, preset):
 live = {}
 for preset, layers in MODELS:
     model = build(preset, layers)
-    variants = with_autocast(combined_variants(model, is_moe=get_preset(preset).is_moe, packed=BACKEND,
-                                               trl=DEVICE == "cuda"), AUTOCAST)
+    variants = [v for v in combined_variants(model, is_moe=get_preset(preset).is_moe, packed=BACKEND,
+                                             trl=DEVICE == "cuda") if v.name not in report.CHAIN_ROWS]
+    variants = with_autocast(variants, AUTOCAST)    # the chain's steps: notebook 00 and the committed chain below
     # vs ref: against all naive, exact packing (on GPT-OSS the stock rows attend across packed sequences)
     rows = run_variants(model, batches_for(model, preset), variants, steps=STEPS, warmup=1, progress=False,
                         label=preset, check_equal="all naive")
@@ -139,29 +117,26 @@ assert all(s["all naive"] > 0 and s["all fast"] == 0 for s in syncs.values()), f
 print("host syncs per step, every live model: all naive pays some, all fast none")
 '''),
 ("md", r'''
-## On the H200, at full depth
-The committed runs of `python -m fastsft_lab bench --only combined`: both models at all their layers, 8192 tokens,
-under autocast, on stock kernels and on the fast-kernel floor (`kernels=liger`: Liger-Kernel's RMSNorm, SwiGLU and
-RoPE, and fastsft_lab's fused linear cross-entropy). One table and one waterfall per model; each table closes with
-the number this notebook is about, the glue fixes alone (all fast over all naive), beside the published ~25%.
-
-At Qwen3-14B most of the distance from the default to all fast is the packed attention kernel ("all naive"); the
-glue fixes add about 5%. The ablation rows say what each is worth on top of the others: the cache and the second
-buffer a few percent each. On GPT-OSS the cost is the default's eager attention (which also lets packed sequences
-leak) and the per-expert loop (10,800 of all naive's 10,944 host syncs per step): "all fast, eager-loop experts"
-puts the loop back alone.
-Every other configuration (16k tokens, without autocast, 8 layers) is in `docs/results.md`.
+## At full depth (committed)
+Both models at all their layers, 8192 tokens, under autocast. First the chain on the fast-kernel floor (`kernels=
+liger`: Liger-Kernel's RMSNorm, SwiGLU and RoPE, fastsft_lab's fused loss and LoRA): the same committed chain the
+README table shows, each step over the one before with what it removes. Then `bench --only combined` on both kernel
+floors: transformers' default, TRL's activation offloading, all naive, all fast and the ablation, closed by the glue
+fixes' own share (all fast over all naive) beside the published ~25%. Every other configuration is in
+[docs/results.md](../docs/results.md).
 '''),
 ("code", r'''
-# One table and one waterfall per model, at full depth, 8192 tokens per step, under autocast (what SFTTrainer(bf16=True)
-# runs): the committed JSON, read by fastsft_lab.lab.report (the same figures on any machine).
-summary = report.combined_summary()
-if not summary:
-    print("No committed GPU run of the combined scenario yet (python -m fastsft_lab bench --only combined).")
-for model, table, doc in summary:
-    print(table)
-    fig = plots.plot_waterfall(doc)
+for model in ("qwen3-14b", "gpt-oss-20b"):       # the committed chains (README, notebooks 00 and 03 read them too)
+    chain = results.attribution_for(model, "liger")
+    if chain is None:
+        print(f"No committed attribution chain of {model} on the Liger floor.")
+        continue
+    print(report.attribution_text(chain) + "\n")
+    fig = plots.plot_waterfall(chain)
     display(fig); plt.close(fig)
+summary = report.combined_summary()
+print("\n\n".join(table for _, table, _ in summary)
+      or "No committed GPU run of the combined scenario yet (python -m fastsft_lab bench --only combined).")
 '''),
 ("md", r'''
 ## Against Unsloth
@@ -219,25 +194,23 @@ for doc in curves:
     display(fig); plt.close(fig)
 '''),
 ("md", r'''
-## The switchboard: one switch at a time
+## The switchboard
 Every switch on a live model goes through `fastsft_lab.apply`: attention backend, metadata cache, offload buffers
-and prefetch, MoE routing, the fused loss. `sb.one_at_a_time` starts from stock transformers and flips one switch
-per run, so each row says what that switch changed: its step time against the row before ("x": higher is faster),
-host syncs and peak memory. On a GPU the panel drives GPT-OSS, so its MoE control is live; in Jupyter, change a
-control and press "run N steps" to add a row of your own.
+and prefetch, MoE routing, the fused loss. The panel below drives GPT-OSS where this machine runs it (its MoE
+control live), under the same autocast as the measured steps; the cell sets every switch to its fast position and
+runs two steps (host syncs, step time, peak memory). In Jupyter, change a control and press "run N steps" to add a
+row of your own: each row says what changed since the one before.
 '''),
 ("code", r'''
 from fastsft_lab.lab.switchboard import Switchboard
 
 sb_preset, sb_layers = MODELS[-1]        # GPT-OSS where this machine runs it (its MoE switch live), else Qwen3
 sb_model = build(sb_preset, sb_layers)
-sb = Switchboard(sb_model, batches_for(sb_model, sb_preset))
-sb.set(cache=False)                      # stock transformers; metadata rebuilt per layer once packed attention is on
-flips = ([{"backend": BACKEND}, {"cache": True}] + ([{"moe": "sync_free"}] if sb.is_moe else [])
-         + [{"buffers": 1}, {"buffers": 2}, {"fused_loss": True}])
-sb.one_at_a_time(flips, steps=2)
+sb = Switchboard(sb_model, batches_for(sb_model, sb_preset), autocast=AUTOCAST)
+sb.set(backend=BACKEND, cache=True, buffers=2, fused_loss=True, **({"moe": "sync_free"} if sb.is_moe else {}))
+sb.run(steps=2)
 SB_HEADER = report.config_header({"config": {"model": sb_preset, "num_layers": sb_model.config.num_hidden_layers,
-                                             "tokens_per_step": TOKENS, "kernels": "none", "autocast": "none"}},
+                                             "tokens_per_step": TOKENS, "kernels": "none", "autocast": AUTOCAST}},
                                  f"measured here, {PROFILE.name}")
 print(SB_HEADER)
 panel = sb.show()
@@ -246,23 +219,26 @@ display(fig); plt.close(fig)
 '''),
 ("md", r'''
 ## Where the time goes now
-The all-fast step split by who launched each piece of work (`fastsft_lab.lab.breakdown`): attention, MoE experts,
+The all-fast step split by the module that launched each piece of work (`fastsft_lab.lab.breakdown`): attention, MoE experts,
 dense matmuls (NF4 dequantisation apart), LoRA, loss + LM head, norms & elementwise, copies & offload, optimizer,
-other, and idle (no kernel running). Each kernel is counted once, in the category of the module that launched it.
+other, and idle (no kernel running). Each kernel is counted once, in the category of the module that launched it
+(who launched it, not what bounds it: notebook 05 classifies each kernel).
 First live, on the switchboard's model in its last setting (all fast; on a CPU the parts are host ops' self time);
-then the committed H200 runs at full depth, one table per model, one column per kernel floor and autocast.
+then the committed GPU runs: each configuration's largest part here, every category in the chart (the tables are in
+docs/results.md).
 
 The profiler is not free: it records every op on the host, so a host-bound step waits longer under it, and that
 wait shows as idle. Kernel durations barely change, so the committed breakdowns keep each work category's ms and
 take idle as the step timed *without* the profiler minus the busy time. The largest part is the next bottleneck.
 '''),
 ("code", r'''
-from fastsft_lab.lab.breakdown import describe_bottleneck, format_breakdown
+from fastsft_lab.lab.breakdown import describe_bottleneck, format_breakdown, step_view
 
 bd = sb.breakdown(steps=2)
 print(f"{SB_HEADER}; {sb.setting.label()}\n{format_breakdown(bd)}\n{describe_bottleneck(bd)}\n")
-breakdowns = results.breakdown_results()
-print(report.breakdown_text(breakdowns))
+breakdowns = results.breakdown_results()      # each configuration's table: docs/results.md (the breakdown)
+for d in breakdowns:
+    print(f"{report.config_header(d)}:\n  {describe_bottleneck(step_view(d))}")
 fig = plots.plot_breakdown(breakdowns)
 if fig is not None:
     display(fig); plt.close(fig)
@@ -279,12 +255,13 @@ Memory buys time too. Checkpointing pays a second forward for every layer it rec
 memory_budget=...)` keeps the activations of as many layers as the budget holds and offloads the rest, each kept
 layer one recompute fewer (notebook 02 says when to keep, recompute or offload). The committed frontier of
 `python -m fastsft_lab bench --only budget` below runs each budget's plan against the README recipe (every layer
-offloaded) and no checkpointing on the same batches, with the peak the plan predicted beside the one measured.
+offloaded), no checkpointing and Unsloth's two settings on the same batches, with the peak the plan predicted beside
+the one measured (the frontiers without a peer are in docs/results.md).
 '''),
 ("code", r'''
 # The memory plan's frontier at full depth: step time against peak memory, from every layer offloaded to every
 # activation kept; the committed JSON, read by fastsft_lab.lab.report (the same figures on any machine).
-frontier = results.budget_results()
+frontier = [d for d in results.budget_results() if results.frontier_peers(d)]   # those run beside Unsloth
 if not frontier:
     print("No committed GPU run of the budget scenario yet (python -m fastsft_lab bench --only budget).")
 else:
@@ -296,19 +273,20 @@ else:
 ## Summary and next bottleneck
 - Together the three fixes remove every host sync from the step and keep the numbers (bitwise for the exact
   switches, within float32 rounding for the reordering ones).
-- Against stock transformers the gain is large where stock is slow: on GPT-OSS its eager attention over whole packed
-  rows and its per-expert loop. Against a careful baseline (all naive: the same attention kernel) the glue fixes are
-  worth about 5% at Qwen3-14B full depth, not the published ~25%: the H200 spends that step in matmuls, so the glue
-  is a small share. Under fast kernels it is a larger share, as the published fixes assume.
+- Against stock transformers the gain is large where stock is slow: on GPT-OSS its eager attention over whole
+  packed rows. Against a careful baseline (all naive: the same attention kernel, transformers' default experts) the
+  glue fixes are the last line of each committed table, beside the published ~25%: at Qwen3-14B the step is spent
+  in matmuls, so the glue is a small share; under fast kernels it is a larger one, as the published fixes assume.
 - Run the step under `torch.autocast(bfloat16)` as `SFTTrainer(bf16=True)` does; without it PEFT computes QLoRA's
   float32 adapters in float32.
-- Against Unsloth: level by medians at Qwen3-14B x8; on GPT-OSS-20B, where it trains on padded rows, exact
-  packing is the lead. A peer whose steps spread widely needs a longer run before its ratio means anything.
-- Spare memory buys speed: the frontier above puts each budget's plan beside Unsloth's two settings on the same
-  batches, and its last lines say how each plan fares at Unsloth's own peak and with 2.5 times it.
+- Against Unsloth: the comparison lines above say who leads by medians and by its mean step; a peer whose steps
+  spread widely needs a longer run before its ratio means anything. On GPT-OSS-20B, where it trains on padded rows,
+  exact packing is the lead.
+- Spare memory buys speed: the frontier puts each budget's plan beside Unsloth's two settings on the same batches,
+  and its last lines say how each plan fares at Unsloth's own peak and with 2.5 times it.
 
-**Next bottleneck.** The breakdown names it: dense matmuls at Qwen3-14B, the MoE experts' grouped matmuls at
-GPT-OSS-20B. Both are kernel work, not glue: the next gains are in the kernels themselves.
+**Next bottleneck.** The breakdown names it: the largest part of each committed step. Where that is kernel work
+(matmuls, the experts' grouped matmuls), the next gains are in the kernels themselves, not the glue.
 
 **Further reading.** `python -m fastsft_lab bench --only combined --help`; `fastsft_lab.apply`, `fastsft_lab.loss`,
 `fastsft_lab.lora`, `fastsft_lab.callbacks.StepStatsCallback` (TRL's `SFTTrainer`: the README's recipe);

@@ -191,7 +191,12 @@ def test_attribution_scenario_runs_one_cumulative_chain_checked_against_exact_pa
     assert dense["config"]["chain"] == ["stock transformers", "+ sdpa kernel, metadata per layer",
                                         "+ metadata cached", "+ offload, one buffer", "+ double buffer",
                                         "+ fused loss", "+ memory plan (16 GiB)"]
-    assert moe["config"]["chain"][3:5] == ["+ experts grouped once", "+ sync-free experts"]
+    # fix 3 from transformers' default experts: sync-free grouping with eager glue, then the fused glue kernels
+    assert moe["config"]["chain"][3:5] == ["+ sync-free routing, eager glue", "+ fused gate/combine kernels"]
+    assert moe["variants"][3]["toggles"]["glue"] == "eager" and moe["variants"][4]["toggles"]["glue"] == "fused"
+    for step in moe["config"]["chain"][3:5]:       # float32: no routing decision flips, the reference within rounding
+        check = moe["routing"][step]
+        assert sum(check["flipped_tokens"]) == 0 and check["forced"]["rel"] < 1e-5, check
     for doc in results:
         rows = {r["name"]: r for r in doc["variants"]}
         assert all("step_ms" in r for r in rows.values()), [r.get("error") for r in rows.values()]

@@ -96,3 +96,19 @@ def test_breakdown_of_the_current_setting_splits_a_step_into_its_categories(boar
     assert cats["experts"] > 0 and cats["attention"] > 0
     assert sum(cats.values()) == pytest.approx(bd["step_ms"], rel=0.02)
     board.set(backend="off", buffers=0, moe="off", fused_loss=False)
+
+
+def test_the_switchboard_runs_its_steps_under_the_autocast_it_is_given():
+    model = build_model("tiny-qwen3", device="cpu", dtype=torch.float32, lora=LoraSettings(rank=4))
+    batches = benchmark_batches(tokens_per_step=128, row_tokens=64, steps=1, vocab_size=256, mix="short")
+    with pytest.raises(ValueError, match="autocast must be one of"):
+        Switchboard(model, batches, autocast="bf15")
+    seen = []
+    proj = next(m for n, m in model.named_modules() if n.endswith("q_proj.base_layer"))
+    handle = proj.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+    for autocast, dtype in (("none", torch.float32), ("bf16", torch.bfloat16)):
+        seen.clear()
+        board = Switchboard(model, batches, autocast=autocast)
+        board.run(1)
+        assert set(seen) == {dtype}, (autocast, seen)
+    handle.remove()

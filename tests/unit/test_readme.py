@@ -288,10 +288,30 @@ def test_attribution_text_gives_each_step_over_the_one_before_and_marks_a_failed
                                                                            "grad_rel": 0.0}},
                         {"name": chain[3], "error": "out of memory"}, row(chain[4], 1500.0)]}
     text = attribution_text(doc)
-    lines = {line.split("  ")[1].strip(): line for line in text.splitlines()[2:-1]}
-    assert lines[chain[1]].split()[-3:] == ["1.25x", "1.25x", "-"]
-    assert "1.01x~" in lines[chain[2]] and "+14.3% per batch" in lines[chain[2]]   # the spreads overlap
-    assert " bitwise  +14.3%" in lines[chain[2]]
-    assert "failed: out of memory" in lines[chain[3]]
-    assert lines[chain[4]].split()[-3:] == ["–", "1.33x", "-"]                   # not compared with a failed step
+    lines = {line[2:38].strip(): line[38:].split() for line in text.splitlines()[2:-1]}
+    # step ms, [p20-p80], vs before, vs stock, syncs, vs ref, what the step removes
+    assert lines[chain[1]][2:6] == ["1.25x", "1.25x", "-", "-"] and lines[chain[1]][6] == "compute"
+    assert lines[chain[2]][2:6] == ["1.01x~", "1.26x", "-", "bitwise"]          # the spreads overlap: "~"
+    assert lines[chain[2]][6:8] == ["host", "overhead"]
+    assert " ".join(lines[chain[3]]).startswith("failed: out of memory")
+    assert lines[chain[4]][2:4] == ["–", "1.33x"]                               # not compared with a failed step
     assert "qwen3-14b, all 40 layers" in text.splitlines()[0] and "autocast bf16" in text.splitlines()[0]
+    only = attribution_text(doc, only=[chain[2]])                                # one step, still over its predecessor
+    assert [line[2:38].strip() for line in only.splitlines()[2:-1]] == [chain[2]] and "1.01x~" in only
+
+
+def test_the_moe_rows_routing_check_is_printed_under_the_chain():
+    from fastsft_lab.lab.report import attribution_text
+
+    chain = ["stock transformers", "+ varlen kernel, metadata per layer", "+ sync-free routing, eager glue"]
+    check = {"reference": chain[1], "other": chain[2], "tokens": 8192, "top_k": 4, "logits_dtype": "bfloat16",
+             "flipped_tokens": [0, 3, 5], "near_ties": [9, 9, 9], "flip_gap_ulps": [None, 1.0, 2.0],
+             "free": {"rel": 0.86, "bitwise": False}, "forced": {"rel": 0.025, "bitwise": False}}
+    doc = {"scenario": "attribution", "env": {}, "_path": "h200-2027-01-01/a.json",
+           "config": {"chain": chain, "model": "gpt-oss-20b", "num_layers": 3, "tokens_per_step": 8192},
+           "variants": [{"name": n, "step_ms": {"median": 100.0 - i, "p20": 99.0 - i, "p80": 101.0 - i}}
+                        for i, n in enumerate(chain)], "routing": {chain[2]: check}}
+    text = attribution_text(doc)
+    assert "8 of 8192 tokens x 3 layers routed to other experts" in text
+    assert "vs ref as run 8.6e-01, with the reference's routing forced 2.5e-02" in text
+    assert "stock transformers: not the model's output" in text or "equal_to_first" not in doc["variants"][0]

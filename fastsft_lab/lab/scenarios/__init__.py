@@ -1,5 +1,6 @@
 """The benchmark scenarios, one file each (``python -m fastsft_lab bench --only NAME``)."""
 
+from ..scenario import Scenario
 from .attribution import AttributionScenario
 from .breakdown import BreakdownScenario
 from .budget import BudgetScenario
@@ -10,7 +11,8 @@ from .offload import OffloadScenario
 from .offload_link import OffloadLinkScenario
 from .packed import PackedScenario
 
-SCENARIOS = {s.name: s for s in (PackedScenario(), OffloadScenario(), MoeScenario(), CombinedScenario())}
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (PackedScenario(), OffloadScenario(), MoeScenario(),
+                                                       CombinedScenario())}
 SCENARIOS[BreakdownScenario.name] = BreakdownScenario()      # after combined, whose models and variant it reuses
 SCENARIOS[OffloadLinkScenario.name] = OffloadLinkScenario()  # after offload, whose variants it reuses
 SCENARIOS[DistributedScenario.name] = DistributedScenario()

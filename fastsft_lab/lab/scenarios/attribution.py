@@ -1,27 +1,32 @@
-"""Scenario ``attribution``: where each gain comes from -- one cumulative chain from stock transformers to everything
-on, each step one change, interleaved step by step on the same batches, so every bar is what that change is worth
-here and nothing else.
+"""Scenario ``attribution``: where each gain comes from -- one cumulative chain from transformers' default to
+everything on, each step one change, interleaved step by step on the same batches, so every bar is what that change
+is worth here and nothing else.
 
 The chain (MoE steps on MoE models only; the fused-loss step where the kernel floor does not include it already)::
 
-    stock transformers                   its attention (Qwen3 sdpa; GPT-OSS eager: packed sequences see each other),
-                                         grouped_mm experts, its gradient checkpointing
+    stock transformers                   transformers' default: its attention (Qwen3 sdpa; GPT-OSS eager, where
+                                         packed sequences see each other), grouped_mm experts, its checkpointing
     + packed kernel, metadata per layer  the packed backend (varlen / flex / sdpa): the kernel, and exact packing
                                          where stock leaks; its metadata rebuilt in every layer (the "before" of fix 1)
     + metadata cached                    fix 1: built once per batch
-    + experts grouped once               fix 3's "before": tokens grouped once, one host sync per layer
-    + sync-free experts                  fix 3: no sync
+    + sync-free routing, eager glue      fix 3: tokens grouped on the device feeding one grouped matmul, its Triton
+                                         kernels off (gate, combine and token-gather backward as eager ops)
+    + fused gate/combine kernels         fix 3's glue fused (CUDA: one Triton kernel each way for the gate, the combine)
     + offload, one buffer                fix 2's "before": checkpointing with the input in pinned host memory
     + double buffer                      fix 2: two staging buffers + prefetch
     + fused loss                         the fast-kernel floor's loss (no logits held)
     + memory plan (B GiB)                the checkpointing plan for a budget (``apply(memory_budget=B)``)
 
-Fix 3 is measured from transformers' own default (``grouped_mm``, no sync) -- the real "before" a user has -- and
-fix 2 from offload with one buffer (the before the published ~8% is against); the step from standard checkpointing to
-one-buffer offload is what offloading itself costs. The plan's costs are measured once before the timed steps (what
-``apply(memory_budget=...)`` does on its first two steps) and run as a fixed plan. GPU default: Qwen3-14B x40 and
-GPT-OSS-20B x24, 8192 tokens, both kernel floors, autocast bf16, budget 80 GiB (an H100's card). Smoke: the tiny
-models on a CPU.
+Every step starts from what a user runs: fix 3 from transformers' own default experts (``grouped_mm``, no host sync
+either, so what it can remove is kernels, not syncs); "grouped once" (one sync per layer) is no step of the chain: it
+is slower than that default (a loop of launches per expert; notebook 03 counts them). Fix 2 starts from offload with
+one buffer (the before the published +6.7% is against); the step from standard checkpointing to one-buffer offload
+is what offloading itself costs. :data:`STEP_REMOVES` says what each step removes. The plan's costs are measured once
+before the timed steps (what ``apply(memory_budget=...)`` does on its first two steps) and run as a fixed plan. For MoE
+models the result also carries ``routing``: per MoE step, the routing decisions it flips against the reference in bf16
+and its loss and gradients with the reference's routing forced (:func:`..routing.routing_agreement`). GPU default:
+Qwen3-14B x40 and GPT-OSS-20B x24, 8192 tokens, both kernel floors, autocast bf16, budget 80 GiB (an H100's card).
+Smoke: the tiny models on a CPU.
 """
 
 from __future__ import annotations
@@ -34,11 +39,14 @@ import torch
 from ... import toggles
 from ...data import benchmark_batches
 from ...model_state import state
+from ...moe import set_fused_glu
+from ...moe.kernels import set_fused_combine
 from ...offload import plan as P
 from ...packing import packed_inputs
 from ..harness import Variant, make_result, run_variants, with_autocast
 from ..scenario import OptionError, Scenario, option
 from .budget import calibrate
+from .packed import stock_leak
 from .combined import ModelOptions, _configure, model_builds, validate_models_and_kernels, write_waterfall_result
 
 
@@ -52,6 +60,37 @@ class AttributionOptions(ModelOptions):
         if smoke:
             return cls(**{**base, "steps": 3, "budget": 16.0})
         return cls(**{**base, "autocast": "bf16", "steps": 5})
+
+
+# The MoE steps of fix 3, over transformers' default experts (grouped_mm)
+SYNC_FREE_EAGER = "+ sync-free routing, eager glue"
+FUSED_GLUE = "+ fused gate/combine kernels"
+
+# What each step removes, by step name (a name's variable part -- the packed backend, the budget -- by its prefix)
+STEP_REMOVES = {
+    "stock transformers": "the baseline: transformers' default (attention, grouped_mm experts, checkpointing)",
+    "+ {packed} kernel, metadata per layer": "compute: the stock T×T attention over whole packed rows (exact packing "
+                                             "where stock leaks); adds fix 1's per-layer syncs",
+    "+ metadata cached": "host overhead: the per-layer metadata syncs (fix 1)",
+    SYNC_FREE_EAGER: "host overhead: grouped_mm's extra glue kernels (masking, bias gathers); neither path syncs",
+    FUSED_GLUE: "memory traffic and launches: the eager gate and combine as one Triton kernel each way (CUDA)",
+    "+ sync-free experts": "host overhead and memory traffic: grouped_mm's glue kernels, the gate and combine fused "
+                           "(the two MoE steps at once, older runs)",
+    "+ offload, one buffer": "memory: layer inputs in host memory (costs copies that wait for compute)",
+    "+ double buffer": "host-link waits: reloads run under the backward (fix 2)",
+    "+ fused loss": "memory traffic: the logits are never held",
+    "+ memory plan ({budget} GiB)": "compute: recompute, where the budget lets a layer keep its activations",
+}
+
+
+def step_removes(name: str) -> str:
+    """What the chain step ``name`` removes (:data:`STEP_REMOVES`); "" for a name it does not know."""
+    for key, text in STEP_REMOVES.items():
+        head, _, tail = key.partition("{")
+        tail = tail.partition("}")[2]
+        if name == key or ("{" in key and name.startswith(head) and name.endswith(tail)):
+            return text
+    return ""
 
 
 def attribution_chain(model, *, is_moe: bool, packed: str, fused_floor: bool, plan: P.Plan | None = None,
@@ -69,10 +108,10 @@ def attribution_chain(model, *, is_moe: bool, packed: str, fused_floor: bool, pl
         ("+ metadata cached", {"packed": packed, "moe": stock_moe}, meta_inputs)]
     cfg = dict(steps[-1][1])
     if is_moe:
-        cfg["moe"] = "grouped"
-        steps.append(("+ experts grouped once", dict(cfg), meta_inputs))
-        cfg["moe"] = "sync_free"
-        steps.append(("+ sync-free experts", dict(cfg), meta_inputs))
+        cfg.update(moe="sync_free", glue="eager")
+        steps.append((SYNC_FREE_EAGER, dict(cfg), meta_inputs))
+        cfg["glue"] = "fused"
+        steps.append((FUSED_GLUE, dict(cfg), meta_inputs))
     cfg["offload"] = 1
     steps.append(("+ offload, one buffer", dict(cfg), meta_inputs))
     cfg["offload"] = 2
@@ -91,9 +130,16 @@ def attribution_chain(model, *, is_moe: bool, packed: str, fused_floor: bool, pl
     return out
 
 
+def _glue(fused: bool) -> tuple[bool, bool]:
+    """sync_free's fused Triton kernels (gate; combine and token-gather backward) on or off; returns the old
+    settings (where they do not run -- a CPU -- the eager ops run either way)."""
+    return set_fused_glu(fused), set_fused_combine(fused)
+
+
 def _set(m, cfg: dict) -> None:
     c = dict(cfg)
     fused = c.pop("fused", None)
+    c.pop("glue", None)
     _configure(m, **c)
     if fused is not None:
         toggles.apply(m, fused_loss=fused)
@@ -101,8 +147,24 @@ def _set(m, cfg: dict) -> None:
 
 def _step(name: str, cfg: dict, inputs) -> Variant:
     toggles_ = {k: v for k, v in cfg.items() if v is not None}
-    return Variant(name, toggles_, enable=lambda m: _set(m, cfg), disable=lambda m: _set(m, _OFF), inputs=inputs,
-                   note="one step of the attribution chain: everything of the step before, plus this change")
+    saved: list = []
+
+    def enable(m):
+        if cfg.get("glue") is not None:
+            saved.append(_glue(cfg["glue"] == "fused"))
+        _set(m, cfg)
+
+    def disable(m):
+        _set(m, _OFF)
+        while saved:
+            glu, combine = saved.pop()
+            set_fused_glu(glu)
+            set_fused_combine(combine)
+
+    removes = step_removes(name)
+    return Variant(name, toggles_, enable=enable, disable=disable, inputs=inputs,
+                   note="one step of the attribution chain: everything of the step before, plus this change"
+                        + (f"; removes {removes}" if removes else ""))
 
 
 _OFF = {"moe": None, "fused": None}
@@ -122,7 +184,8 @@ def _plan_step(name: str, cfg: dict, plan: P.Plan, costs: dict, budget: float, i
     return Variant(name, {**{k: v for k, v in cfg.items() if v is not None and k != "offload"},
                           "memory_budget_gib": budget, "plan": plan.describe()},
                    enable=enable, disable=disable, inputs=inputs,
-                   note="the plan apply(memory_budget=...) solves for this budget, measured on this model and batch")
+                   note="the plan apply(memory_budget=...) solves for this budget, measured on this model and batch; "
+                        f"removes {step_removes(name)}")
 
 
 class AttributionScenario(Scenario):
@@ -166,6 +229,7 @@ class AttributionScenario(Scenario):
             _set(model, {**_OFF, "fused": None if fused_floor else False})
         chain = attribution_chain(model, is_moe=is_moe, packed=opts.backend, fused_floor=fused_floor, plan=plan,
                                   costs=costs, budget=opts.budget)
+        chain[0] = dataclasses.replace(chain[0], unequal=stock_leak(model))   # GPT-OSS's stock masks leak
         label = f"{preset.name} {tokens} tok, kernels={extra['kernels']}"
         rows = run_variants(model, batches, with_autocast(chain, opts.autocast), steps=opts.steps,
                             warmup=opts.warmup, progress=progress, label=label,
@@ -179,8 +243,31 @@ class AttributionScenario(Scenario):
                              notes="A cumulative chain, interleaved step by step on the same batches: each row is "
                                    "the row before plus one change.")
         result["derived"] = step_gains(rows)
+        if is_moe:
+            result["routing"] = _routing(model, batches[0], with_autocast(chain, opts.autocast))
         return write_waterfall_result(result, out_dir, f"attribution_{preset.name}_L{config['num_layers']}_{tokens}tok_"
                                       f"{extra['kernels']}", label)
+
+
+def _routing(model, batch, chain: list[Variant]) -> dict:
+    """Per MoE step of ``chain``: its routing against the reference step's (the packed kernel with transformers'
+    default experts), and its loss and gradients as run and with the reference's routing forced
+    (:func:`..routing.routing_agreement`); an error in one line where the check could not run."""
+    from ..routing import routing_agreement
+
+    by = {v.name: v for v in chain}
+    ref = chain[1]
+    out: dict = {}
+    for name in (SYNC_FREE_EAGER, FUSED_GLUE):
+        if name not in by:
+            continue
+        try:
+            out[name] = routing_agreement(model, batch, ref, by[name])
+        except Exception as e:  # noqa: BLE001 - a check, not the measurement: record why it did not run
+            out[name] = {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"}
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return out
 
 
 def step_gains(rows: list[dict]) -> dict:
@@ -202,4 +289,5 @@ def step_gains(rows: list[dict]) -> dict:
     return out
 
 
-__all__ = ["AttributionScenario", "AttributionOptions", "attribution_chain", "step_gains"]
+__all__ = ["AttributionScenario", "AttributionOptions", "attribution_chain", "step_gains", "step_removes", "STEP_REMOVES",
+           "SYNC_FREE_EAGER", "FUSED_GLUE"]

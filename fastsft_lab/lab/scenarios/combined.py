@@ -10,8 +10,11 @@ gradient checkpointing. Variants, interleaved step by step on the same batches:
 * ``TRL activation offloading``: the default path inside TRL's ``get_act_offloading_ctx_manager`` (what
   ``SFTConfig(activation_offloading=True)`` runs). TRL's padding-free collator gives the same inputs as the default
   path here (packed ``position_ids``, no mask): its cost is the same step.
-* ``all naive``: per-layer metadata (varlen), offload with one buffer, the eager-loop experts (MoE).
-* the waterfall ``packed (cached metadata)`` -> ``+ sync_free experts`` (MoE) -> ``all fast`` (+ offload x2 + prefetch);
+* ``all naive``: per-layer metadata (varlen), offload with one buffer, transformers' default experts (MoE:
+  ``grouped_mm``, the "before" fix 3 is measured against; runs before 2026-12-06 ran the eager per-expert loop here,
+  which the default does not, and their toggles say ``moe: naive``).
+* ``packed (cached metadata)`` -> ``+ sync_free experts`` (MoE) -> ``all fast`` (+ offload x2 + prefetch); the
+  decomposition every view reads is the attribution scenario's chain, one change per step;
 * the ablation: ``all fast`` with one optimization back to its naive form at a time;
 * ``all fast + compiled layers`` (``compiled=true``): every decoder layer compiled in place (``nn.Module.compile``,
   as Unsloth compiles its blocks), packed attention eager between the compiled regions.
@@ -112,7 +115,7 @@ class TRLActivationOffloading:
     ones back, so the variants timed between run without them. (Its ``__enter__`` also empties the CUDA cache where
     bitsandbytes is imported, every step, as in TRL: the variant timed next then allocates afresh.)"""
 
-    def __init__(self):
+    def __init__(self) -> None:
         # model -> [context, [(module, hook, always_call: None for a pre-hook)], live hook keys or None]
         self._built: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
 
@@ -178,7 +181,6 @@ def combined_variants(model: nn.Module, *, is_moe: bool, packed: str = "varlen",
     stock_inputs = lambda b, s: b.model_inputs()      # noqa: E731
     meta_inputs = lambda b, s: packed_inputs(b)        # noqa: E731
     moe_fast = "sync_free" if is_moe else None
-    moe_naive = "naive" if is_moe else None
     stock = "stock" if is_moe else None
 
     def v(name, note, inputs, context=None, **cfg):
@@ -191,8 +193,8 @@ def combined_variants(model: nn.Module, *, is_moe: bool, packed: str = "varlen",
                 "packed sequences attend to each other), grouped_mm experts, its gradient checkpointing; packed "
                 "position_ids, no mask", stock_inputs)
     naive = v("all naive", f"metadata rebuilt in every layer ({packed}: the per-layer derivation that path's code "
-              "runs), offload with one staging buffer, the eager per-expert loop", stock_inputs, packed=packed, cache=False,
-              moe=moe_naive, offload=1)
+              "runs), offload with one staging buffer, transformers' default experts (grouped_mm)", stock_inputs,
+              packed=packed, cache=False, moe=stock, offload=1)
     fast = v("all fast", f"PackedMetadata once per batch ({packed}), offload x2 + prefetch, sync-free grouped "
              "experts: 0 host syncs", meta_inputs, packed=packed, moe=moe_fast, offload=2)
     def fast_plus(name: str, toggle: dict, switch_on, switch_off, note: str) -> Variant:
@@ -246,8 +248,8 @@ def combined_variants(model: nn.Module, *, is_moe: bool, packed: str = "varlen",
     out.append(v("all fast, one buffer", "ablation: all fast with offload x1 (no overlapped reloads)", meta_inputs,
                  packed=packed, moe=moe_fast, offload=1))
     if is_moe:
-        out.append(v("all fast, eager-loop experts", "ablation: all fast with the per-expert loop", meta_inputs,
-                     packed=packed, moe=moe_naive, offload=2))
+        out.append(v("all fast, default experts", "ablation: all fast with transformers' default experts (grouped_mm)",
+                     meta_inputs, packed=packed, moe=stock, offload=2))
     out.append(v("all fast, no batch check", "all fast without the on-device check that the metadata describes the "
                  "batch (check_batch=False): what that check costs", meta_inputs, packed=packed, moe=moe_fast,
                  offload=2, check=False))

@@ -28,12 +28,13 @@ from ...moe.kernels import set_fused_combine
 from ...moe.nf4 import NF4_ATTR, NF4Weight, expert_weight, is_nf4, mat_b
 from ...profiling import SyncCounter, time_ms
 from ...toggles import apply
+from ..launches import LAUNCHES_COUNTED, count_launches
 from ..harness import Variant, default_inputs, format_table, make_result, run_variants, write_json
 from ..plots import plot_result, save_figure
 from ..scenario import OptionError, Scenario, option
 
 
-def _router_and_experts(mlp: nn.Module) -> tuple[nn.Module, nn.Module]:
+def _router_and_experts(mlp: nn.Module) -> tuple[Any, Any]:
     router = getattr(mlp, "router", None) or getattr(mlp, "gate", None)
     experts = getattr(mlp, "experts", None)
     if router is None or experts is None:
@@ -71,20 +72,20 @@ def routing_stats(model: nn.Module, inputs: dict) -> dict:
     }
 
 
-MICRO_IMPLEMENTATIONS = (
-    ("naive", "naive", "fastsft naive = transformers' eager GptOssExperts/Qwen3MoeExperts loop, op for op"),
-    ("grouped", "grouped", "sort + searchsorted offsets, ONE .tolist() per layer, per-expert addmm slices"),
-    ("sync_free", "sync_free", "sort + searchsorted offsets on device, grouped_mm, lean glue; 0 host syncs"),
-    ("transformers eager", "eager", "stock experts_implementation='eager' (the per-expert loop)"),
+MICRO_IMPLEMENTATIONS = (   # transformers' default first (the 1.00x of every table and chart), then fix 3's steps
     ("transformers grouped_mm", "grouped_mm",
      "stock experts_implementation='grouped_mm' (transformers 5.x default): sort, histc, grouped_mm, sentinel "
      "masking, per-row bias gathers, weight multiply + inverse-permutation gather + sum"),
-    ("sync_free, eager gate", "sync_free:eager_gate",
-     "sync_free with the eager gate (GPT-OSS: six kernels; SiLU gate: three) instead of the fused Triton kernel "
-     "(shows the gate's share; only where the fused kernels run)"),
     ("sync_free, eager glue", "sync_free:eager_glue",
      "sync_free with every fused Triton kernel off: eager gate, combine as gather + batched matmul, token-gather "
      "backward as gather + sum (only where the fused kernels run)"),
+    ("sync_free", "sync_free", "sort + searchsorted offsets on device, grouped_mm, lean glue; 0 host syncs"),
+    ("sync_free, eager gate", "sync_free:eager_gate",
+     "sync_free with the eager gate (GPT-OSS: six kernels; SiLU gate: three) instead of the fused Triton kernel "
+     "(shows the gate's share; only where the fused kernels run)"),
+    ("grouped", "grouped", "sort + searchsorted offsets, ONE .tolist() per layer, per-expert addmm slices"),
+    ("naive", "naive", "fastsft naive = transformers' eager GptOssExperts/Qwen3MoeExperts loop, op for op"),
+    ("transformers eager", "eager", "stock experts_implementation='eager' (the per-expert loop)"),
 )
 
 
@@ -124,7 +125,8 @@ def experts_microbenchmark(model: nn.Module, *, tokens: int, layer: int = 0, war
     return rows
 
 
-def _micro_rows(model, experts, base, hidden, weights, index, grad_out, device, warmup, reps, implementations):
+def _micro_rows(model, experts, base, hidden, weights, index, grad_out, device, warmup, reps,
+                implementations) -> list[dict]:
     rows = []
     for label, spec, note in implementations:
         impl, _, flag = spec.partition(":")
@@ -156,6 +158,10 @@ def _micro_rows(model, experts, base, hidden, weights, index, grad_out, device, 
                 entry["host_syncs_by_kind"] = dict(counter.by_kind)
                 if counter.cuda_reported is not None:
                     entry["cuda_reported_syncs"] = counter.cuda_reported
+                # beside the syncs, the launches: a host busy issuing small kernels loses little to a sync
+                entry["launches_forward"] = count_launches(forward, device)
+                entry["launches_per_step"] = count_launches(train, device)
+                entry["launches_counted"] = LAUNCHES_COUNTED["cuda" if device.type == "cuda" else "cpu"]
             except torch.cuda.OutOfMemoryError as e:  # report, keep going
                 entry = {"name": label, "note": note, "error": f"out of memory: {str(e).splitlines()[0]}"}
                 torch.cuda.empty_cache()
@@ -251,6 +257,11 @@ def routing_variants(model_family: str = "gpt_oss", inputs: Callable | None = No
     ]
 
 
+def _modes(modes) -> list:
+    """The whole-model modes to run: ``none`` (alone) runs none."""
+    return [m for m in modes if m != "none"]
+
+
 def _slug(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in str(text))
 
@@ -262,7 +273,8 @@ class MoeOptions:
     tokens: list = option([8192, 16384], kind="ints", help="tokens per step")
     row_tokens: int = option(2048, kind="int", help="tokens per packed row (stock GPT-OSS attention is eager: T x T "
                                                     "scores per row)")
-    modes: list = option(["forward", "train"], kind="strs", help="forward (no-grad validation step) and/or train")
+    modes: list = option(["forward", "train"], kind="strs", help="forward (no-grad validation step) and/or train; "
+                         "none: no whole-model steps (the experts microbenchmark alone, on a one-layer build)")
     quant: str | None = option(None, kind="str?", help="none (bf16 experts) or nf4 (NF4 experts + attention, QLoRA)")
     lora_rank: int = option(16, kind="int", help="LoRA rank on the attention projections")
     lora_experts: bool = option(False, kind="bool", help="also PEFT LoRA on the expert weights (bf16 only)")
@@ -332,9 +344,11 @@ class MoeScenario(Scenario):
             raise OptionError(f"quant must be none or nf4, got {opts.quant!r}")
         if opts.quant == "nf4" and opts.lora_experts:
             raise OptionError("lora_experts=true needs bf16 experts (PEFT cannot parametrize NF4 expert weights)")
-        bad = [m for m in opts.modes if m not in ("forward", "train")]
+        bad = [m for m in opts.modes if m not in ("forward", "train", "none")]
         if bad:
-            raise OptionError(f"modes must be forward and/or train, got {bad}")
+            raise OptionError(f"modes must be forward and/or train (or none: the experts microbenchmark only), got {bad}")
+        if _modes(opts.modes) == [] and not opts.micro:
+            raise OptionError("modes=none and micro=false measure nothing: give a mode or micro=true")
         names = [v.name for v in routing_variants()]
         for v in opts.variants or []:
             if v not in names:
@@ -352,7 +366,7 @@ class MoeScenario(Scenario):
         plan = _Plan(device=device, smoke=opts.preset.startswith("tiny"), out_dir=out_dir, steps=opts.steps,
                      warmup=opts.warmup, progress=progress, preset=get_preset(opts.preset),
                      num_layers=opts.num_layers, tokens=list(opts.tokens), row_tokens=opts.row_tokens,
-                     modes=list(opts.modes), quant=None if opts.quant in (None, "none") else opts.quant,
+                     modes=_modes(opts.modes), quant=None if opts.quant in (None, "none") else opts.quant,
                      lora_rank=opts.lora_rank, lora_experts=opts.lora_experts, attn=opts.attn_implementation,
                      packed_backend=opts.packed_backend, micro=opts.micro,
                      micro_presets=[p for p in opts.micro_presets if p not in ("none", "")],
@@ -366,7 +380,8 @@ def _bench(plan: _Plan) -> list[dict]:
     experts = preset.family_record.experts   # LoRA on the expert parameters where the family's record offers it
     lora = LoraSettings(rank=plan.lora_rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                         lora_experts=plan.lora_experts and experts is not None and bool(experts.lora_parameters))
-    model = build_model(preset, device=device, dtype=dtype, quant=quant, lora=lora, num_layers=plan.num_layers,
+    model = build_model(preset, device=device, dtype=dtype, quant=quant, lora=lora,
+                        num_layers=plan.num_layers if plan.modes else 1,   # the microbenchmark alone: one layer
                         attn_implementation=plan.attn)
     info = model.fastsft_info
     if quant == "nf4":

@@ -54,7 +54,7 @@ class _SaveOnCpuStep:
     def __init__(self, model: nn.Module, device: torch.device):
         self.switch = CheckpointingSwitch(model)
         self.device = device
-        self.ctx = None
+        self.ctx: Any = None
 
     def enable(self, model: nn.Module) -> None:
         self.switch.enable()
@@ -114,6 +114,7 @@ def make_variants(model: nn.Module, keys: Sequence[str] = VARIANT_KEYS, device: 
     pool = PinnedPool(pin=device.type == "cuda")
     out, objs = [], {}
     for key in keys:
+        sw: Any
         if key == "standard":
             sw = CheckpointingSwitch(model)
             v = Variant(
@@ -445,7 +446,7 @@ def _run_vram_check(device, *, cfg: dict, out_dir: str, layers: int, tokens: int
                          "Peak memory at full depth: one warm-up and one measured step per variant.")
     peaks = [r.get("peak_mem_bytes") for r in rows]
     if all(peaks):
-        result["derived"] = {"peak_saved_bytes": peaks[0] - peaks[1]}
+        result["derived"] = {"peak_saved_bytes": int(peaks[0] or 0) - int(peaks[1] or 0)}
     write_json(result, os.path.join(out_dir, f"offload-vram-{cfg['preset']}-{layers}L-{tokens}.json"))
     print(format_table(result))
     release_pools(toggles)

@@ -90,7 +90,7 @@ def pace_plan(nbytes: int, *, target_gbps: float | None, native_gbps: float, chu
     for off in range(0, nbytes, chunk_bytes):
         size = min(chunk_bytes, nbytes - off)
         extra_ms = max(0.0, size / (target_gbps * 1e6) - size / (native_gbps * 1e6))     # bytes / (GB/s) -> ms
-        extra = extra_ms * native_gbps * 1e6 if method == "pad" else extra_ms * cycles_per_ms
+        extra = extra_ms * native_gbps * 1e6 if method == "pad" else extra_ms * (cycles_per_ms or 0.0)
         plan.append((off, size, round(extra)))
     return plan
 
@@ -200,11 +200,12 @@ def calibrate_sleep(device: torch.device, cycles: tuple[int, int] = (1 << 20, 1 
     (a busy GPU's clocks). The slope between two lengths, so launch latency drops out."""
     side = torch.cuda.Stream(device=device)
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) if load else None
-    for _ in range(20 if load else 0):      # bring the clocks up
-        a @ a
+    if a is not None:
+        for _ in range(20):      # bring the clocks up
+            a @ a
     times = []
     for n in cycles:
-        if load:
+        if a is not None:                    # load
             side.wait_stream(torch.cuda.current_stream(device))
             for _ in range(12 * reps):
                 a @ a
@@ -350,7 +351,8 @@ def make_link_variants(model: nn.Module, device: torch.device, targets: Sequence
                        pacer_for) -> tuple[list[Variant], dict]:
     """Plain checkpointing once, then every offload mode at every target (``pacer_for(target) -> LinkPacer``)."""
     plain, _ = make_variants(model, ("standard",), device)
-    variants, meta = list(plain), {plain[0].name: {"key": "plain", "target_gbps": None, "toggle": None}}
+    variants = list(plain)
+    meta: dict[str, dict[str, Any]] = {plain[0].name: {"key": "plain", "target_gbps": None, "toggle": None}}
     pool = PinnedPool(pin=device.type == "cuda")        # every mode's, across steps
     for target in targets:
         for key in modes:
@@ -477,9 +479,9 @@ def _bench(device: torch.device, opts, out_dir: str, progress: bool) -> dict:
     print(format_table(result))
     print(f"  {'link':>10s} {'x1 vs plain':>12s} {'x2+p vs plain':>14s} {'x2 over x1':>11s} {'copy/backward':>14s}")
     for p in points:
-        link = "native" if p.get("target_gbps") is None else f"{p['target_gbps']:g} GB/s"
+        where = "native" if p.get("target_gbps") is None else f"{p['target_gbps']:g} GB/s"
         pct = lambda k: f"{p[k] * 100:+.1f}%" if p.get(k) is not None else "-"     # noqa: E731
-        print(f"  {link:>10s} {pct('offload1_vs_plain'):>12s} {pct('offload2p_vs_plain'):>14s} "
+        print(f"  {where:>10s} {pct('offload1_vs_plain'):>12s} {pct('offload2p_vs_plain'):>14s} "
               f"{pct('gain_x2_vs_x1'):>11s} {p.get('copy_to_backward_ratio', float('nan')):>14.3f}")
     print("  " + format_derived(result["derived"]))
     for m in meta.values():
@@ -492,7 +494,7 @@ def _bench(device: torch.device, opts, out_dir: str, progress: bool) -> dict:
 
 
 def _points(targets, modes, by, meta, traces, minputs, layer_bytes, cuda) -> list[dict]:
-    plain = next((r for n, r in by.items() if meta.get(n, {}).get("key") == "plain"), {})
+    plain: dict = next((r for n, r in by.items() if meta.get(n, {}).get("key") == "plain"), {})
     plain_ms = plain.get("step_ms", {}).get("median")
     out = []
     for target in targets:
