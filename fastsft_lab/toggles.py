@@ -153,14 +153,14 @@ def _validate_prefetch(model, value, args) -> None:
 # -- the checkpointing plan for a memory budget ----------------------------------------------------------------------
 def _validate_budget(model, value, args) -> None:
     from .models import model_device
-    from .offload.plan import budget_bytes, check_budget_floor, check_not_sharded
+    from .offload.plan import budget_bytes, check_budget_floor, check_plan_sharding
     from .offload.switch import resolve_device
 
     buffers = args.get("offload_buffers")
     if isinstance(buffers, (str, bool)) and buffers in ("off", False):
         raise ValueError("memory_budget offloads the layers it cannot keep: offload_buffers='off' contradicts it")
     check_budget_floor(model, budget_bytes(value, resolve_device(model_device(model))))
-    check_not_sharded(model)
+    check_plan_sharding(model)
     _validate_max_tokens(model, args.get("max_tokens"), args)
 
 

@@ -514,15 +514,6 @@ def test_budget_and_hand_set_checkpointing_say_which_wins():
     assert fastsft_lab.state(model) == fastsft_lab.ModelState()
 
 
-def test_fsdp2_is_refused_in_one_line_before_anything_changes(monkeypatch):
-    model = _model("tiny-qwen3")
-    monkeypatch.setattr(P, "is_fsdp2", lambda m: True)       # fully_shard needs a process group; its detection
-    with pytest.raises(NotImplementedError, match="memory_budget under FSDP2") as err:   # is tested in test_compat
-        fastsft_lab.apply(model, packed_attention="sdpa", memory_budget=16)
-    assert "\n" not in str(err.value)
-    assert fastsft_lab.state(model) == fastsft_lab.ModelState()       # not half switched: packed attention not on
-
-
 def test_set_plan_checks_its_choices():
     model = _model("tiny-qwen3")
     with pytest.raises(ValueError, match="needs a memory plan"):
