@@ -49,8 +49,10 @@ still a byte of the same memory (the allocator's counters would not see it).
 The prediction adds the optimizer's state where step 1 ran before the first ``optimizer.step()``
 (``optimizer_bytes_per_param``, 8 = Adam in float32); it leaves out the allocator's slack (block rounding,
 fragmentation), so on CUDA a plan never spends more than this process can reach at step 2 less step 1's slack
-(:func:`allocator_ceiling`; ``state(model)`` says when a budget was solved under it). On a CPU step 1's peak is not
-measured: the model's own bytes and the largest layer's activations stand for it.
+(:func:`allocator_ceiling`; ``state(model)`` says when a budget was solved under it). Step 1 starts by giving the
+allocator's unused cached blocks back and resetting its peak counters (:func:`release_cached_blocks`): its peaks and
+its slack are its own, whatever the process ran before (building the model, another configuration). On a CPU step
+1's peak is not measured: the model's own bytes and the largest layer's activations stand for it.
 """
 
 from __future__ import annotations
@@ -306,8 +308,46 @@ def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Te
 def allocator_ceiling(*, free: int, reserved: int, peak_reserved: int, peak_allocated: int) -> int:
     """The most bytes a step's tensors can be allocated on a CUDA device: what this process has reserved plus what
     the device has free, less the caching allocator's slack as step 1 measured it (reserved but unallocated at its
-    peak: block rounding and fragmentation, which the same layers at the same sizes pay again)."""
+    peak: block rounding and fragmentation, which the same layers at the same sizes pay again). The peaks must be
+    step 1's own: read since :func:`release_cached_blocks` at its start."""
     return free + reserved - max(0, peak_reserved - peak_allocated)
+
+
+@dataclass(frozen=True)
+class AllocatorCounters:
+    """A CUDA caching allocator's counters on one device, in bytes."""
+
+    free: int                # the device's free memory as the driver reports it (cached blocks count as used)
+    reserved: int            # held by the allocator: allocated blocks and cached ones
+    allocated: int           # handed out to tensors
+    peak_reserved: int       # the most of each since the peak counters were last reset
+    peak_allocated: int
+
+
+def allocator_counters(device: torch.device, cuda: Any = torch.cuda) -> AllocatorCounters:
+    """The counters of ``device``'s caching allocator (``cuda``: ``torch.cuda``, or a stand-in with its functions)."""
+    return AllocatorCounters(free=cuda.mem_get_info(device)[0], reserved=cuda.memory_reserved(device),
+                             allocated=cuda.memory_allocated(device),
+                             peak_reserved=cuda.max_memory_reserved(device),
+                             peak_allocated=cuda.max_memory_allocated(device))
+
+
+def release_cached_blocks(device: torch.device, cuda: Any = torch.cuda) -> AllocatorCounters:
+    """Step 1's start: the allocator's cached blocks that no tensor uses given back to the device, and the peak
+    counters reset. Blocks cached while the model was built, or by an earlier run in the process, are reusable: left
+    cached they would read as step 1's slack (reserved but unallocated at its peak) and the plan would be solved
+    that much under its budget (Qwen3-14B x40 on an H100, built then trained in one script: 20 GiB under). What
+    step 1 then reads is its own. Returns the counters after."""
+    cuda.empty_cache()
+    cuda.reset_peak_memory_stats(device)
+    return allocator_counters(device, cuda)
+
+
+def step_ceiling(device: torch.device, cuda: Any = torch.cuda) -> int:
+    """:func:`allocator_ceiling` from ``device``'s counters now (at step 2: step 1's slack since its start)."""
+    c = allocator_counters(device, cuda)
+    return allocator_ceiling(free=c.free, reserved=c.reserved, peak_reserved=c.peak_reserved,
+                             peak_allocated=c.peak_allocated)
 
 
 def parse_budget(value, total: int | None, free: int | None, held: int = 0) -> int:
@@ -322,8 +362,11 @@ def parse_budget(value, total: int | None, free: int | None, held: int = 0) -> i
             share = -1.0
         if not 0 < share <= 100:
             raise ValueError(f"memory_budget {value!r}: a share must be between 0% and 100%; {forms}")
-        if free is None:
-            raise ValueError(f"memory_budget {value!r}: this device does not report its free memory; give {forms}")
+        if free is None:      # a CPU: the one form that works there, with a size this host can hold
+            example = f"{max(1, int(total / GiB / 2))}" if total else "16"
+            raise ValueError(f"memory_budget {value!r}: a share is of a GPU's free memory, and this device does not "
+                             f"report its free memory (a CPU): give a size in GiB instead, e.g. memory_budget="
+                             f"{example}" + (f" (this host has {total / GiB:.0f} GiB)" if total else ""))
         return held + int(free * share / 100)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"memory_budget must be {forms}, got {value!r}")
@@ -469,6 +512,7 @@ class MemoryPlanner:
             in_bytes = x.numel() * x.element_size()
             self.staging = self.buffers * in_bytes
             if self.device.type == "cuda":
+                release_cached_blocks(self.device)   # step 1's slack and peaks its own, whatever ran before
                 self.static = torch.cuda.memory_allocated(self.device) - in_bytes
             layers = [layer for ref in self.layers if (layer := ref()) is not None]
             check_sharding(layers)                   # sharded after apply: read now
@@ -484,10 +528,7 @@ class MemoryPlanner:
         if self.steps == 2 and self.device.type == "cuda":
             if self.peak is None:   # no backward seen by the hook: everything since step 1's measurement
                 self.peak = torch.cuda.max_memory_allocated(self.device)
-            free, _ = torch.cuda.mem_get_info(self.device)
-            self.ceiling = allocator_ceiling(free=free, reserved=torch.cuda.memory_reserved(self.device),
-                                             peak_reserved=torch.cuda.max_memory_reserved(self.device),
-                                             peak_allocated=torch.cuda.max_memory_allocated(self.device))
+            self.ceiling = step_ceiling(self.device)
         target = max(tokens, self.max_tokens or 0)
         if self.ranks is not None:        # every rank re-plans at the same step, for the same tokens
             target = self.ranks.max(target)
@@ -763,5 +804,6 @@ register_state_reader("memory_plan", _read_state)
 
 __all__ = ["CHOICES", "saved_ops", "SAVED_OPS", "LayerCost", "Plan", "BudgetError", "MemoryPlanner", "measure_layer",
            "solve", "predict", "selective_checkpoint", "full_checkpoint", "parse_budget", "budget_bytes",
-           "allocator_ceiling", "check_budget_floor", "check_plan_sharding", "enable_memory_plan", "disable_memory_plan", "memory_planner",
+           "allocator_ceiling", "AllocatorCounters", "allocator_counters", "release_cached_blocks", "step_ceiling",
+           "check_budget_floor", "check_plan_sharding", "enable_memory_plan", "disable_memory_plan", "memory_planner",
            "set_plan", "layer_kinds"]
