@@ -17,6 +17,8 @@ import weakref
 
 from torch import nn
 
+from ..model_state import state
+
 METHODS = ("gradient_checkpointing_enable", "gradient_checkpointing_disable")
 _MISSING = object()
 _GUARDED: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()    # model -> what was there
@@ -29,10 +31,9 @@ def _kept(ref: weakref.ref, name: str, *args, **kwargs) -> None:
     if model is None or model in _WARNED:
         return
     _WARNED.add(model)
-    from .plan import memory_planner
-
-    what = "the memory plan" if memory_planner(model) is not None else "offloaded checkpointing"
-    off = "memory_budget='off'" if memory_planner(model) is not None else "offload_buffers='off'"
+    plan = state(model).checkpointing == "plan"
+    what = "the memory plan" if plan else "offloaded checkpointing"
+    off = "memory_budget='off'" if plan else "offload_buffers='off'"
     warnings.warn(f"fastsft_lab: {name}() left the model as it is: {what} chooses each decoder layer's checkpointing "
                   f"(transformers' Trainer calls gradient_checkpointing_enable() for gradient_checkpointing=True, TRL's "
                   f"default). For transformers' own checkpointing instead: fastsft_lab.apply(model, {off}) first",
