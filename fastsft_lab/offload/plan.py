@@ -497,8 +497,7 @@ class MemoryPlanner:
         """:meth:`solve`, on a sharded model over several ranks the plan every rank takes (:mod:`.ranks`)."""
         if self.ranks is None:
             return self.solve(tokens)
-        budget = self.budget if self.ceiling is None else min(self.budget, self.ceiling)
-        problem, budget = self.ranks.agree(self.problem(tokens), budget)
+        problem, budget = self.ranks.agree(self.problem(tokens), self.reachable())
         return solve(budget=budget, **problem)
 
     def _measure(self, index: int, kind: str, function: Callable, x: torch.Tensor, *,
@@ -567,9 +566,11 @@ class MemoryPlanner:
 
     def solve(self, tokens: int, budget: int | None = None) -> Plan:
         """The plan for ``tokens`` tokens under ``budget`` bytes (default: this planner's budget)."""
-        if budget is None:
-            budget = self.budget if self.ceiling is None else min(self.budget, self.ceiling)
-        return solve(budget=budget, **self.problem(tokens))
+        return solve(budget=self.reachable() if budget is None else budget, **self.problem(tokens))
+
+    def reachable(self) -> int:
+        """The budget a plan is solved under: the budget, or the allocator's ceiling where lower (CUDA)."""
+        return self.budget if self.ceiling is None else min(self.budget, self.ceiling)
 
     def problem(self, tokens: int) -> dict:
         """What :func:`solve` (and :func:`ranked`, :func:`predict`) take at ``tokens`` tokens, but the budget: the
