@@ -101,6 +101,26 @@ def test_the_ranks_take_the_most_conservative_plan_not_rank_zeros():
     assert _predict(bigger, agreed.choices)[0] <= budget and _predict(problem, agreed.choices)[0] <= budget
 
 
+def test_a_base_is_combined_above_what_its_own_layers_hold():
+    """A base is measured with every layer offloaded, so it holds the largest layer's activations in the backward.
+    Rank 0: the larger base, small layers; rank 1: a large first layer. The combined base must be rank 0's fixed
+    part plus the combined layers' -- the larger of the two bases alone is below rank 0's peak for a plan whose
+    backward is set by a later, smaller layer (here: the first layer offloaded, the others kept)."""
+    def layer(keep):
+        return P.LayerCost("layer", 1000, dict(zip(P.CHOICES, (1.0, 1.2, 1.5, 1.6, 10.0))),
+                           {"keep": keep, "selective": keep // 2, "checkpoint": 5, "offload": 0, "offload_saved": 0})
+
+    def problem(base, keeps):
+        return {"costs": [layer(k) for k in keeps], "base": base, "loss_base": base - 1000, "forward_base": None,
+                "staging": 0, "saved_extra": 0, "choices": P.CHOICES}
+
+    ranks = [problem(1000, (100, 100, 100)), problem(950, (300, 10, 10))]
+    combined, _ = R.combine(ranks, [10_000, 10_000])
+    plan = ("offload", "keep", "keep")
+    assert _predict(ranks[0], plan)[0] == 1000 - 100 + 200            # its backward: layer 2's 100 beside layer 1's
+    assert _predict(combined, plan)[0] >= max(_predict(p, plan)[0] for p in ranks)
+
+
 def test_combine_refuses_ranks_of_different_depths_in_one_line():
     a, budget = _rank_problem(random.Random(1), 3, False, False)
     b, _ = _rank_problem(random.Random(2), 4, False, False)
