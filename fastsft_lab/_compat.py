@@ -226,3 +226,21 @@ def fsdp2_hooks_as_in_recompute(modules):
 
 
 __all__ += ["fsdp2_hooks_as_in_recompute"]
+
+
+# --- aten op schemas ------------------------------------------------------------------------------------------------
+def written_tensors(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an aten op writes into (its schema's arguments marked as written: ``self`` of ``x.addmm_``, the
+    ``out=`` of an out variant), from a ``TorchDispatchMode``'s ``(func, args, kwargs)`` (``OpOverload._schema``;
+    torch 2.0-2.13)."""
+    found: list[torch.Tensor] = []
+    for i, arg in enumerate(func._schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        found += [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return found
+
+
+__all__ += ["written_tensors"]

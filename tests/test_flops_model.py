@@ -12,7 +12,7 @@ import torch
 
 from fastsft_lab.lab import flops as F
 
-# hidden 64, MLP 128, 4 heads of 16 (2 KV heads), vocab 256, 2 layers  (Qwen3-14B: 5120, 17408, 40 x 128 (8), 151936, 40)
+# hidden 64, MLP 128, 4 heads of 16 (2 KV), vocab 256, 2 layers  (Qwen3-14B: 5120, 17408, 40 x 128 (8), 151936, 40)
 TINY = SimpleNamespace(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, vocab_size=256)
 SEGMENTS = [[3, 5]]                  # one packed row: two sequences, 8 real tokens

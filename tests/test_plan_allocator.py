@@ -29,7 +29,8 @@ class SimAllocator:
     # what a program does
     def malloc(self, n: int) -> tuple:
         n = -(-n // ROUND) * ROUND
-        fits = [(b[0], s, i) for s, seg in enumerate(self.segments) for i, b in enumerate(seg) if not b[1] and b[0] >= n]
+        fits = [(b[0], s, i) for s, seg in enumerate(self.segments) for i, b in enumerate(seg)
+                if not b[1] and b[0] >= n]
         if fits:
             size, s, i = min(fits)
             seg = self.segments[s]

@@ -35,8 +35,9 @@ def _kept(ref: weakref.ref, name: str, *args, **kwargs) -> None:
     what = "the memory plan" if plan else "offloaded checkpointing"
     off = "memory_budget='off'" if plan else "offload_buffers='off'"
     warnings.warn(f"fastsft_lab: {name}() left the model as it is: {what} chooses each decoder layer's checkpointing "
-                  f"(transformers' Trainer calls gradient_checkpointing_enable() for gradient_checkpointing=True, TRL's "
-                  f"default). For transformers' own checkpointing instead: fastsft_lab.apply(model, {off}) first",
+                  "(transformers' Trainer calls gradient_checkpointing_enable() for gradient_checkpointing=True, "
+                  f"TRL's default). For transformers' own checkpointing instead: fastsft_lab.apply(model, {off}) "
+                  "first",
                   stacklevel=2)
 
 

@@ -70,7 +70,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .._compat import TorchDispatchMode, pytree
+from .._compat import TorchDispatchMode, pytree, written_tensors
 from .._util import pow2_ceil
 from ..model_state import register_state_reader
 from .allocator import (AllocatorCounters, allocator_ceiling, allocator_counters, release_cached_blocks,
@@ -145,12 +145,15 @@ def full_checkpoint(function: Callable, *args, **kwargs) -> Any:
 # -- measuring one layer ---------------------------------------------------------------------------------------------
 class _SavedBytes:
     """Counts, during one forward, the bytes autograd saves (unique storages, parameters left out) and the bytes of
-    the outputs of the ops the selective choice saves."""
+    the outputs of the ops the selective choice saves, and which of those outputs an op writes into afterwards."""
 
     def __init__(self, exclude: set[int]):
         self.exclude = exclude
         self.saved: dict[int, int] = {}
         self.selective: dict[int, tuple[int, Any, torch.Tensor, int]] = {}
+        # storages written in place since a saved op made them: through any alias, even one that does not share
+        # the output's version counter (the fused LoRA adds into a matmul's output through ``_unsafe_view``'s)
+        self.written: set[int] = set()
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
@@ -167,11 +170,14 @@ class _SavedBytes:
         class _Outputs(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
+                written = written_tensors(func, args, kwargs or {})
+                counter.written.update(t.untyped_storage().data_ptr() for t in written)
                 if func.overloadpacket in saved:
                     for t in pytree.tree_leaves(out):
                         if isinstance(t, torch.Tensor):
                             st = t.untyped_storage()
                             counter.selective[st.data_ptr()] = (st.nbytes(), func.overloadpacket, t, t._version)
+                            counter.written.discard(st.data_ptr())
                 return out
 
         return _Outputs()
@@ -263,7 +269,10 @@ def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Te
     readings["pinned"] = sum(pow2_ceil(b) for b in small_saved if b >= SAVED_MIN_BYTES)
     del out
     records = [r for p, r in count.selective.items() if p != inp.untyped_storage().data_ptr()]
-    unsaved = frozenset(op for _, op, t, version in records if t._version != version)
+    # an output written after it was made would come back from the cache changed, and the recompute would write it
+    # again (torch checks the output's version counter, which an ``_unsafe_view`` alias does not share)
+    unsaved = frozenset(op for _, op, t, version in records
+                        if t._version != version or t.untyped_storage().data_ptr() in count.written)
     selective = in_bytes + sum(b for b, op, _, _ in records if op not in unsaved)
     # the records hold every recorded op's output, graph and all, and that graph's saved tensors hold this
     # recorder's pack hook: a cycle through C++ that no garbage collection frees, unless the records go here
