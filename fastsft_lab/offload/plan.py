@@ -697,7 +697,8 @@ def enable_memory_plan(model: nn.Module, budget, *, buffers: int = 2, prefetch: 
     """Switch a per-layer checkpointing plan for ``budget`` on (see the module docstring); returns its planner.
 
     Args:
-        budget: GiB (``80``) or a share of the device's free memory (``"90%"``) beyond what is allocated now.
+        budget: GiB (``80``) or, on a GPU, a share of its free memory (``"90%"``) beyond what is allocated now;
+            each rank's under DDP and FSDP2 (:mod:`.ranks`).
         buffers, prefetch: the staging buffers of the layers the plan offloads (:func:`enable_offloaded_checkpointing`).
         max_tokens: the largest batch the collator emits: plan for it from step 2 on (default: the largest seen).
         optimizer_bytes_per_param: optimizer state per trainable parameter not allocated yet at step 1.
