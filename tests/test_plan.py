@@ -635,6 +635,8 @@ def test_budget_scenario_runs_the_frontier_from_the_smallest_plan_to_keeping_eve
     assert all(r["host_syncs_per_step"] == 0 for r in rows), [(r["name"], r["host_syncs_per_step"]) for r in rows]
     assert [r["name"] for r in rows[-2:]] == ["offload x2 + prefetch everywhere (README recipe)", "no checkpointing"]
     assert (tmp_path / "budget-tiny-qwen3-512.json").exists()
+    # MFU's FLOPs as the model trains (LoRA: the frozen base takes no weight gradient): below the 6 N T convention
+    assert 0 < result["config"]["model_flops_per_step"] == rows[0]["flops_per_step"]
     assert budgets_between(10, 20, 3) == [10, 15, 20] and budgets_between(10, 10, 5) == [10]
 
 

@@ -6,7 +6,9 @@ The plan's costs are measured once per token count (``apply(memory_budget=...)``
 layer under each choice, and the peak of a step with every layer offloaded); each budget's plan is then solved from
 those costs (:func:`fastsft_lab.offload.solver.solve`, what ``apply`` solves) and run as a fixed plan, interleaved with
 the references. Every row has the plan's *predicted* peak beside the measured one (CUDA), so the cost model is
-checked where it is used.
+checked where it is used, and its MFU: the model FLOPs of the step as the model trains them (a frozen base's forward
+and input gradients, the adapters', attention over the real segments, the LM head; ``config.model_flops_per_step``)
+over the card's dense bf16 peak.
 
 GPU default: Qwen3-14B, all 40 layers, NF4 + LoRA r16, the README recipe's floor (cached varlen, fused loss, fused
 LoRA, autocast bf16), 8192 and 16384 tokens, 5 budgets. Smoke (CPU): tiny-qwen3, seconds; a CPU has no peak
