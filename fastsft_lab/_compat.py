@@ -6,6 +6,8 @@ moves. Nothing else in the library reaches into a private torch / transformers /
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree   # tree_flatten / tree_unflatten / tree_map_only (torch 2.0-2.13)
@@ -200,3 +202,45 @@ def bnb_fix_quant_state():
 
 
 __all__ += ["in_backward", "bnb_fix_quant_state"]
+
+
+# --- FSDP2 (torch.distributed.fsdp.fully_shard) -------------------------------------------------------------------
+@contextlib.contextmanager
+def fsdp2_hooks_as_in_recompute(modules):
+    """Inside: the FSDP2 ``modules``' forward hooks run as they do in an activation checkpoint's recompute (their
+    ``FSDPState._training_state`` at ``TrainingState.PRE_BACKWARD``; torch 2.6-2.13): the pre-forward hook only
+    makes sure the parameters are unsharded and casts the inputs, the post-forward hook neither reshards nor
+    registers a gradient hook -- so a forward + ``torch.autograd.grad`` there runs no collective and reduces no
+    gradient. The states are put back on exit."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    states = [m._get_fsdp_state() for m in modules]
+    before = [s._training_state for s in states]
+    for s in states:
+        s._training_state = TrainingState.PRE_BACKWARD
+    try:
+        yield
+    finally:
+        for s, b in zip(states, before):
+            s._training_state = b
+
+
+__all__ += ["fsdp2_hooks_as_in_recompute"]
+
+
+# --- aten op schemas ------------------------------------------------------------------------------------------------
+def written_tensors(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an aten op writes into (its schema's arguments marked as written: ``self`` of ``x.addmm_``, the
+    ``out=`` of an out variant), from a ``TorchDispatchMode``'s ``(func, args, kwargs)`` (``OpOverload._schema``;
+    torch 2.0-2.13)."""
+    found: list[torch.Tensor] = []
+    for i, arg in enumerate(func._schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        found += [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return found
+
+
+__all__ += ["written_tensors"]

@@ -1,9 +1,11 @@
 """A ``transformers.TrainerCallback`` that logs what the optimizations change, step by step, in a real training run.
 
 ``StepStatsCallback`` adds to the trainer's logs, every ``logging_steps``: the step time (wall clock between step
-ends, so it includes data loading and the optimizer), tokens per second, host syncs per step (counted on the first
+ends, so it includes data loading and the optimizer), the real tokens per second (:func:`real_tokens`: a collator's
+padding tail left out, where ``include_num_input_tokens_seen`` counts it), host syncs per step (counted on the first
 step after each log, by :class:`fastsft_lab.profiling.SyncCounter`, which costs some Python overhead on that one
-step) and, on a GPU, the peak memory since the last log. Works with TRL's ``SFTTrainer`` as with ``Trainer``::
+step), on a GPU the peak memory since the last log, and the model's memory plan whenever it is (re)solved. Works
+with TRL's ``SFTTrainer`` as with ``Trainer``::
 
     trainer = SFTTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tokenizer,
                          data_collator=PackedCollator(max_tokens=8192), callbacks=[StepStatsCallback()])
@@ -12,10 +14,28 @@ step) and, on a GPU, the peak memory since the last log. Works with TRL's ``SFTT
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
 from .profiling import SyncCounter
+
+
+def real_tokens(inputs: dict) -> int | torch.Tensor:
+    """The tokens of a batch that are not padding: a packed batch's rows less their padding tails (its
+    ``packed_metadata``, host ints), a padded batch's ``attention_mask`` sum (a device tensor: no sync until it is
+    read), else every token (a padding-free batch: TRL's ``padding_free=True``, ``DataCollatorWithFlattening``)."""
+    meta = inputs.get("packed_metadata")
+    if meta is not None and getattr(meta, "cu_seqlens", None):
+        return int(meta.cu_seqlens[-1]) - sum(meta.pad_lengths or ())
+    mask = inputs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        return mask.sum()
+    ids = inputs.get("input_ids")
+    if ids is None:
+        ids = inputs.get("inputs_embeds")
+        return 0 if ids is None else int(ids.shape[:-1].numel())
+    return int(ids.numel())
 
 
 def _trainer_callback_base():
@@ -40,12 +60,30 @@ class StepStatsCallback(_trainer_callback_base()):
         self._seen = 0
         self._counter: SyncCounter | None = None
         self._syncs: int | None = None
+        self._real: list[Any] = []           # real tokens of the training forwards since the last log
+        self._hook: Any = None
+        self._model: Any = None
+        self._plan: str | None = None
 
     # the trainer calls these
     def on_train_begin(self, args, state, control, **kwargs):
         self._t = time.perf_counter()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+        model = kwargs.get("model")
+        if model is not None and self._hook is None:
+            # the model the Trainer calls (its wrappers call it in turn): every training forward's real tokens
+            self._model = model
+            self._hook = model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _count(self, module, args, kwargs) -> None:
+        if module.training and torch.is_grad_enabled():
+            self._real.append(real_tokens({"input_ids": args[0], **kwargs} if args else kwargs))
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.count_syncs and self._counter is None and self._syncs is None:
@@ -72,12 +110,44 @@ class StepStatsCallback(_trainer_callback_base()):
         if seen > self._seen:
             stats["tokens_per_s"] = round((seen - self._seen) / sum(self._times), 1)
         self._seen = seen
+        if self._real:
+            stats["real_tokens_per_s"] = round(_all_ranks(self._real) / sum(self._times), 1)
+            self._real = []
+        plan = _plan_of(self._model)
+        if plan is not None and plan != self._plan:       # when (re)solved: once, not every log
+            stats["memory_plan"] = self._plan = plan
         if torch.cuda.is_available():
             stats["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             torch.cuda.reset_peak_memory_stats()
         logs.update(stats)
+        # the Trainer keeps its own copy of the logs, made before the callbacks run: the stats go there too
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(stats)
         self.history.append({"step": state.global_step, **stats})
         self._times, self._syncs = [], None
 
 
-__all__ = ["StepStatsCallback"]
+def _all_ranks(counts: list) -> int:
+    """The sum of ``counts`` (ints and device tensors) over this process and, in a process group, every rank (the
+    Trainer logs on every rank at the same steps)."""
+    total = sum(int(c.sum().item()) if isinstance(c, torch.Tensor) else c for c in counts)
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        on = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(dist.get_backend()) else "cpu"
+        t = torch.tensor([total], dtype=torch.int64, device=on)
+        dist.all_reduce(t)
+        total = int(t.item())
+    return total
+
+
+def _plan_of(model) -> str | None:
+    """The model's solved memory plan, in a line (None without one, or while step 1 measures)."""
+    if model is None:
+        return None
+    from .offload.plan import memory_planner
+
+    planner = memory_planner(model)
+    return None if planner is None or planner.plan is None else planner.plan.describe()
+
+
+__all__ = ["StepStatsCallback", "real_tokens"]

@@ -153,14 +153,14 @@ def _validate_prefetch(model, value, args) -> None:
 # -- the checkpointing plan for a memory budget ----------------------------------------------------------------------
 def _validate_budget(model, value, args) -> None:
     from .models import model_device
-    from .offload.plan import budget_bytes, check_budget_floor, check_not_sharded
+    from .offload.plan import budget_bytes, check_budget_floor, check_plan_sharding
     from .offload.switch import resolve_device
 
     buffers = args.get("offload_buffers")
     if isinstance(buffers, (str, bool)) and buffers in ("off", False):
         raise ValueError("memory_budget offloads the layers it cannot keep: offload_buffers='off' contradicts it")
     check_budget_floor(model, budget_bytes(value, resolve_device(model_device(model))))
-    check_not_sharded(model)
+    check_plan_sharding(model)
     _validate_max_tokens(model, args.get("max_tokens"), args)
 
 
@@ -361,8 +361,9 @@ def apply(
         fused_dequant: True dequantises QLoRA's NF4 base weights in one Triton kernel (CUDA) and, inside a
             checkpoint's recompute, keeps the weight for the backward instead of dequantising it a third time
             (:mod:`fastsft_lab.dequant`); bit for bit bitsandbytes' weights. Refused for FP4 weights.
-        memory_budget: the step's peak: GiB (``80``), or a share of the device's free memory on top of what is
-            allocated now (``"90%"``: the loaded model plus 90% of what is left): each decoder layer keeps
+        memory_budget: the step's peak (each rank's, under DDP / FSDP2): GiB (``80``), or on a GPU a share of its
+            free memory on top of what is allocated now (``"90%"``: the loaded model plus 90% of what is left;
+            a CPU takes GiB): each decoder layer keeps
             its activations, saves only matmul / attention outputs, or is checkpointed (input kept or offloaded),
             whichever plan is fastest within the budget (:mod:`fastsft_lab.offload.plan`; measured on step 1,
             solved at step 2, shown by ``state(model).memory_plan``). Exact: every plan computes what plain

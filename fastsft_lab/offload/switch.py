@@ -3,10 +3,11 @@
 Every switch returns :func:`fastsft_lab.model_state.state` of the model after the change. The model's
 :class:`~.manager.OffloadManager` (and its pinned pool) survives toggles: :func:`offload_manager` returns it.
 
-Use with TRL/Trainer: leave ``gradient_checkpointing=False`` in the trainer arguments (the trainer would call
-``model.gradient_checkpointing_enable()`` and overwrite the layer functions) and switch offload on yourself. Where
-something does overwrite them, :func:`state` reports the model's own checkpointing and the next forward warns once
-(:func:`displaced_layers`); ``apply`` again puts the offload back.
+Use with TRL/Trainer: while it is on, the model's ``gradient_checkpointing_enable()`` / ``_disable()`` (which the
+Trainer calls for ``gradient_checkpointing=True``, TRL's default) leave the layers as they are and warn once
+(:mod:`.guard`), so the trainer's flag may stay at its default. Where something else overwrites the layer functions,
+:func:`state` reports the model's own checkpointing and the next forward warns once (:func:`displaced_layers`);
+``apply`` again puts the offload back.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 from ..models import base_model, decoder_layers, model_device
 from ..model_state import ModelState, register_state_reader, state
 from .checkpoint import LayerCheckpointFunc
+from .guard import guard, unguard
 from .manager import OffloadManager, _check_buffers
 from .streams import StreamOps
 
@@ -59,10 +61,9 @@ def _watch(model: nn.Module) -> None:
         if n:
             _WARNED_DISPLACED.add(key)
             warnings.warn(f"fastsft_lab: {n} of {len(_ORIGINALS.get(key, ()))} decoder layers no longer run its "
-                          "checkpointing (offload / memory plan): model.gradient_checkpointing_enable() or _disable() "
-                          "replaced it after apply() -- transformers' Trainer does so for gradient_checkpointing=True, "
-                          "TRL's default. Pass gradient_checkpointing=False to the trainer, or apply() again after it",
-                          stacklevel=2)
+                          "checkpointing (offload / memory plan): something replaced their checkpoint functions after "
+                          "apply() (the model's gradient_checkpointing_enable() and _disable() are kept from it while "
+                          "it is on); apply() again puts it back", stacklevel=2)
         return None
 
     _WATCHES[key] = key.register_forward_pre_hook(check, with_kwargs=True)
@@ -173,6 +174,7 @@ def enable_offloaded_checkpointing(model: nn.Module, buffers: int = 2, prefetch:
     for i, layer in enumerate(layers):
         layer.gradient_checkpointing = True
         layer._gradient_checkpointing_func = LayerCheckpointFunc(manager, i, layer)
+    guard(key)                  # the Trainer's gradient_checkpointing_enable() leaves them (guard.py)
     _WARNED_DISPLACED.discard(key)
     _watch(model)
     return state(model)
@@ -186,6 +188,7 @@ def disable_offloaded_checkpointing(model: nn.Module, *, release_pool: bool = Fa
     """
     key = base_model(model)
     _unwatch(model)
+    unguard(key)
     originals = _ORIGINALS.pop(key, None)
     if originals is not None:
         for layer, saved in originals:
