@@ -438,7 +438,7 @@ def _build(s: Session) -> "Diagnosis":
         experts=bool(experts_modules(s.inner)), experts_waits_ms=waits.get("experts", 0.0),
         experts_syncs=syncs_by_cat.get("experts", 0), experts_launches=prof.launches(in_cat("experts")),
         tokens=facts.get("tokens", 0), vocab=int(getattr(head, "out_features", 0) or 0),
-        itemsize=torch.empty((), dtype=dtype).element_size(),
+        itemsize=torch.empty((), dtype=dtype).element_size(), fused_head=bool(inputs.get("fused_lm_head")),
         loss_memory_ms=prof.kernel_ms(in_cat("loss_head", lambda k: k.bound == "memory")),
         loss_memory_bytes=_op_bytes_per_step(prof, in_cat("loss_head", lambda k: k.bound == "memory")),
         lora_layers=sum(1 for _, (_, c) in module_categories(s.inner).items() if c == "lora"),

@@ -65,6 +65,7 @@ class Costs:
     tokens: int = 0
     vocab: int = 0
     itemsize: int = 2                # of the logits (the compute dtype)
+    fused_head: bool = False         # the step already runs a fused LM head (TRL's fused_lm_head): no logits
     loss_memory_ms: float = 0.0      # memory-bound loss-head kernels
     loss_memory_bytes: float = 0.0   # and the bytes they move
     # LoRA, NF4
@@ -162,6 +163,9 @@ def predict_fused_loss(c: Costs) -> Prediction:
         return _off("fused_loss", "on already")
     if not c.vocab:
         return _off("fused_loss", "no LM head found")
+    if c.fused_head:
+        return _off("fused_loss", "the step's loss already runs a fused LM head (TRL's fused_lm_head): it builds no "
+                                  "logits to remove, and it runs in place of fastsft_lab's")
     logits = float(c.tokens) * c.vocab
     floor = 3 * logits * c.itemsize                      # the fused loss: two reads and one write of the logits
     saving = c.loss_memory_ms * max(0.0, 1 - floor / c.loss_memory_bytes) if c.loss_memory_bytes else 0.0

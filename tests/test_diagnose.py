@@ -236,6 +236,8 @@ def test_the_callback_diagnoses_the_trainers_own_step(tmp_path, capsys):
     loop = [s for s in d.sync_sites if s["module"] == "<outside>"]
     assert loop and all(s["site"].startswith(("trl/", "transformers/")) for s in loop)
     assert d._replay == {"autocast": None}
+    # TRL's SFTTrainer computes its loss with a fused LM head of its own: no logits for fused_loss to remove
+    assert diag.batch.get("fused_lm_head") and "fused LM head" in d.prediction("fused_loss").reason
     # after training: none of the diagnosis's hooks left on the model (the Trainer's own stay)
     hooks = [h for m in model.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())]
     assert hooks and not [h for h in hooks if getattr(h, "__module__", "").startswith("fastsft_lab")]

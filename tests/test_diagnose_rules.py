@@ -188,6 +188,7 @@ def test_a_prediction_vanishes_with_the_cost_it_rests_on(removed, switch):
     (dict(state={"packed": "varlen", "checkpointing": "standard"}), "packed_attention", "on already"),
     (dict(experts=False), "moe_routing", "dense model"),
     (dict(lora_layers=0), "fused_lora", "no PEFT LoRA"),
+    (dict(fused_head=True), "fused_loss", "already runs a fused LM head"),
     (dict(recompute_ms=0.0), "memory_budget", "no recompute"),
     (dict(budget_bytes=None, device="cpu"), "memory_budget", "free memory is unknown"),
     (dict(device="cpu"), "offload_buffers", "from a GPU"),
