@@ -605,10 +605,12 @@ class StepRecorder:
     step (or ``with recorder.step():``), then :meth:`stop` -> :class:`StepProfile`. The driver may be a training
     callback: the step is whatever runs between the two calls."""
 
-    def __init__(self, model: nn.Module | None, device: torch.device | str, *, peaks: Peaks | None = None):
+    def __init__(self, model: nn.Module | None, device: torch.device | str, *, peaks: Peaks | None = None,
+                 shapes: bool = True):
         self.model = model
         self.device = torch.device(device)
         self.peaks = peaks
+        self.shapes = shapes          # record shapes and FLOPs (what the bounds need; on a CPU it slows every op)
         self.prof: Any = None              # the torch profiler, once started
         self._stack: contextlib.ExitStack | None = None
         self._range: Any = None
@@ -622,8 +624,8 @@ class StepRecorder:
         self._stack = contextlib.ExitStack()
         if self.model is not None:
             self._stack.enter_context(ScopeLabels(self.model))
-        self.prof = self._stack.enter_context(quiet_profiler(activities=activities, record_shapes=True,
-                                                             with_flops=True))
+        self.prof = self._stack.enter_context(quiet_profiler(activities=activities, record_shapes=self.shapes,
+                                                             with_flops=self.shapes))
         return self
 
     def begin_step(self) -> None:

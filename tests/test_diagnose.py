@@ -191,7 +191,8 @@ def test_the_breakdown_gives_the_steps_time_by_bound():
 
     model = build_model("tiny-qwen3", device="cpu", dtype=torch.float32, lora=LoraSettings(rank=4))
     batch = _batch(model)
-    bd = profile_steps(model, lambda i: model(**batch).loss.backward(), device="cpu")
+    assert "bounds" not in profile_steps(model, lambda i: model(**batch).loss.backward(), device="cpu")
+    bd = profile_steps(model, lambda i: model(**batch).loss.backward(), device="cpu", bounds=True)
     assert set(bd["bounds"]) == {"compute", "memory", "latency", "unknown", "idle"}
     assert sum(bd["bounds"].values()) == pytest.approx(bd["step_ms"], rel=1e-3)
     assert sum(sum(v.values()) for v in bd["category_bounds"].values()) + bd["bounds"]["idle"] == \

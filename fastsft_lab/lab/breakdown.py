@@ -19,8 +19,8 @@ library's (:mod:`fastsft_lab.step_profile`, which :func:`fastsft_lab.diagnose` u
   the raw sum of its activity durations, overlap counted. The profiler's own host overhead lands in ``idle``
   wherever the step is host-bound: :func:`without_profiler` re-bases a device breakdown on the step time measured
   without the profiler (work categories kept, idle = unprofiled step - busy), which is what the bench reports.
-* **What bounds it** (``bounds``, ``category_bounds`` of :func:`profile_steps`): each kernel classified by its
-  achieved FLOP/s and bytes/s against the device's peaks (:mod:`fastsft_lab.roofline`): compute, memory, latency.
+* **What bounds it** (``bounds``, ``category_bounds`` of :func:`profile_steps`, on a GPU): each kernel classified by
+  its achieved FLOP/s and bytes/s against the device's peaks (:mod:`fastsft_lab.roofline`): compute, memory, latency.
 
 On a CPU the categories are the self time of the host ops, and ``idle`` is host time inside the step outside any
 op (Python, hooks, the profiler itself): not device idleness, which a CPU run cannot show.
@@ -78,13 +78,16 @@ def attribute(items: Iterable[tuple[float, float, str, Any]], window: tuple[floa
 
 # --- the step under the profiler --------------------------------------------------------------------------------
 def profile_steps(model: nn.Module, step: Callable[[int], Any], *, device: torch.device | str, steps: int = 1,
-                  optimizer_step: Callable[[], Any] | None = None) -> dict:
+                  optimizer_step: Callable[[], Any] | None = None, bounds: bool | None = None) -> dict:
     """Run ``step(i)`` (forward + backward) and ``optimizer_step()`` for ``i`` in ``range(steps)`` under the
-    profiler with the module scopes on; return the breakdown (:func:`breakdown_from_events`) and, beside it, the
-    step's time by what bounds its kernels (``bounds``: compute / memory / latency / unknown / idle ms, from
-    :mod:`fastsft_lab.roofline`) and by category and bound (``category_bounds``)."""
+    profiler with the module scopes on; return the breakdown (:func:`breakdown_from_events`) and, with ``bounds``
+    (default: on a GPU), the step's time by what bounds its kernels (``bounds``: compute / memory / latency / unknown
+    / idle ms, from :mod:`fastsft_lab.roofline`) and by category and bound (``category_bounds``). The bounds need
+    the ops' shapes recorded: on a GPU that costs host time only, on a CPU it lands in every op's own time (the
+    breakdown of a CPU), so there they are left out unless asked for."""
     device = torch.device(device)
-    rec = StepRecorder(model, device).start()
+    bounds = device.type == "cuda" if bounds is None else bounds
+    rec = StepRecorder(model, device, shapes=bounds).start()
     try:
         for i in range(steps):
             with rec.step():
@@ -95,14 +98,17 @@ def profile_steps(model: nn.Module, step: Callable[[int], Any], *, device: torch
     except BaseException:
         rec.close()
         raise
-    kernels = rec.stop()
+    if not bounds:
+        rec.close()
+    kernels = rec.stop() if bounds else None
     cuda = device.type == "cuda"
     bd = breakdown_from_events(rec.prof.events(), device=cuda, device_activity=device_events(rec.prof) if cuda else None)
-    bd["bounds"] = {k: round(v, 4) for k, v in kernels.by_bound().items()}
-    pairs = kernels.split(lambda k: f"{k.where.category}:{k.bound}")
-    bd["category_bounds"] = {cat: {b: round(pairs.get(f"{cat}:{b}", 0.0), 4) for b in ("compute", "memory", "latency",
-                                                                                       "unknown")} for cat in WORK}
-    bd["peaks"] = kernels.peaks.source
+    if kernels is not None:
+        bd["bounds"] = {k: round(v, 4) for k, v in kernels.by_bound().items()}
+        pairs = kernels.split(lambda k: f"{k.where.category}:{k.bound}")
+        bd["category_bounds"] = {cat: {b: round(pairs.get(f"{cat}:{b}", 0.0), 4) for b in
+                                       ("compute", "memory", "latency", "unknown")} for cat in WORK}
+        bd["peaks"] = kernels.peaks.source
     return bd
 
 
