@@ -137,10 +137,11 @@ class DiagnoseCallback(_trainer_callback_base()):
         s, g = self._session, state.global_step
         if s is None or self.diagnosis is not None:
             return
-        if g == self.step:                                   # profiled, the inputs kept
+        if g == self.step - 1:                               # the inputs and autocast kept (a warm-up step)
             self._capture = s.capture()
             self._capture.__enter__()
-            self._recorder = StepRecorder(s.inner, s.device).start()
+        elif g == self.step:                                 # profiled
+            self._recorder = StepRecorder(None if s.compiled else s.inner, s.device).start()
             self._recorder.begin_step()
         elif self.step < g < self.last_step:                 # timed
             if g == self.step + 1:
@@ -156,12 +157,13 @@ class DiagnoseCallback(_trainer_callback_base()):
         s, g = self._session, state.global_step - 1          # the step that just ended
         if s is None or self.diagnosis is not None:
             return
-        if g == self.step and self._recorder is not None:
+        if g == self.step - 1 and self._capture is not None:
+            self._capture.__exit__(None, None, None)
+            self._capture = None
+        elif g == self.step and self._recorder is not None:
             self._recorder.end_step()
             s.profile = self._recorder.stop()
             self._recorder = None
-            self._capture.__exit__(None, None, None)
-            self._capture = None
         elif self.step < g < self.last_step:
             self._sync()
             s.times_ms.append((time.perf_counter() - self._t) * 1e3)

@@ -47,7 +47,7 @@ from .step_profile import WORK, Kernel, StepProfile, layer_paths, module_categor
 
 # the attention kernels proper: SDPA / flash / efficient attention, and eager attention's matmuls and softmax
 _ATTENTION_CORE = ATTENTION_OPS | {"bmm", "baddbmm", "_softmax", "_softmax_backward_data", "_safe_softmax"}
-_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_grouped_mm"}
+_MATMULS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "matmul", "linear", "_grouped_mm"}
 WIDTH = 118                     # the report's lines (a notebook cell shows 120 characters without wrapping)
 
 
@@ -146,6 +146,10 @@ class Session:
         self.link: float | None = None
         self._prefix = next(p for p, m in self.inner.named_modules() if m is self.base)   # "" or PEFT's path
         self._cut = len(self._prefix) + 1 if self._prefix else 0
+        # torch.compile'd (the model, or modules compiled in place): module hooks would change what is compiled (and
+        # recompile it inside the measured step), so the kernels are not scoped and the syncs not placed in modules
+        self.compiled = _compiled(model) or any(getattr(m, "_compiled_call_impl", None) is not None
+                                               for m in self.inner.modules())
 
     def rel(self, path: str) -> str:
         """A module path of the user's model as the causal LM names it (``model.layers.3.mlp``)."""
@@ -153,7 +157,7 @@ class Session:
 
     def sync_counter(self) -> SyncCounter:
         modules = {self.rel(p): m for p, m in self.inner.named_modules()
-                   if p.startswith(self._prefix + ".") or (p and not self._prefix)}
+                   if p.startswith(self._prefix + ".") or (p and not self._prefix)} if not self.compiled else {}
         self.counter = SyncCounter(device=self.device, modules=modules, locate=True)
         return self.counter
 
@@ -218,6 +222,19 @@ class Session:
 
     def diagnosis(self) -> "Diagnosis":
         return _build(self)
+
+
+def _compiled(model: nn.Module) -> bool:
+    """Whether a ``torch.compile`` wrapper is among the wrappers around ``model``."""
+    from ._compat import compiled_inner, ddp_inner
+
+    for _ in range(8):
+        if compiled_inner(model) is not None:
+            return True
+        model = ddp_inner(model)
+        if model is None:
+            return False
+    return False
 
 
 def _activation_bytes(layer: nn.Module, args: tuple, kwargs: dict, autocast: torch.dtype | None) -> tuple[int, int]:
@@ -322,10 +339,12 @@ def diagnose(model: nn.Module, batch: Mapping, *, autocast: torch.dtype | None =
     run = StepRunner(model, batch, autocast=autocast, step=step)
     session = Session(model, peaks=peaks)
     device = session.device
+    if session.compiled:
+        warmup = max(warmup, 2)     # the step that keeps the inputs runs hooks: one more to be back on the graph
     with run.grads_kept():
-        for _ in range(warmup - 1):
+        with session.capture():                 # the first warm-up step keeps the inputs
             run()
-        with session.capture():
+        for _ in range(warmup - 1):             # the others run as measured (a compiled model back on its graph)
             run()
         for p in run.params:
             p.grad = None
@@ -337,7 +356,8 @@ def diagnose(model: nn.Module, batch: Mapping, *, autocast: torch.dtype | None =
             session.peak = int(torch.cuda.max_memory_allocated(device))
         with session.sync_counter():
             run()
-        session.profile = profile_step(run, model=session.inner, device=device, peaks=peaks)
+        session.profile = profile_step(run, model=None if session.compiled else session.inner, device=device,
+                                       peaks=peaks)
         if session.profile.kernel_ms(lambda k: k.where.phase == "recompute") > 0:
             session.measure_layers()
         session._layer_calls.clear()
@@ -448,7 +468,7 @@ def _build(s: Session) -> "Diagnosis":
         recompute_ms=sum(recompute), recompute_per_layer=recompute, backward_per_layer=backward,
         layer_activations=s.layer_memory[0] if s.layer_memory else [],
         layer_inputs=s.layer_memory[1] if s.layer_memory else [],
-        peak_bytes=s.peak, budget_bytes=budget, link_bytes_per_s=s.link)
+        peak_bytes=s.peak, budget_bytes=budget, link_bytes_per_s=s.link, scoped=not s.compiled)
     backend = device_profile(s.device).packed_backends[0] if s.device.type == "cuda" else "sdpa"
     name = type(s.base).__name__ + (" (PEFT)" if s.inner is not s.base else "")
     where = torch.cuda.get_device_name(s.device) if cuda else "CPU"
@@ -462,7 +482,9 @@ def _build(s: Session) -> "Diagnosis":
         memory={"peak": s.peak, "total": total, "free": free, "budget": budget,
                 "headroom": budget - s.peak if budget is not None and s.peak is not None else None},
         categories=categories, predictions=predict(costs, backend=backend), peaks=prof.peaks.source, costs=costs,
-        waits_tail_ms=waits.get("tail", 0.0))
+        waits_tail_ms=waits.get("tail", 0.0),
+        notes=["torch.compile: kernels are not placed in modules or layers (module hooks would change what is "
+               "compiled); diagnose the uncompiled model for where the time goes"] if s.compiled else [])
 
 
 # --- the report -------------------------------------------------------------------------------------------------------
@@ -495,6 +517,7 @@ class Diagnosis:
     peaks: str                     # where the device's peaks come from
     costs: Costs = field(repr=False)
     waits_tail_ms: float = 0.0     # idle at the step's end (after the last kernel)
+    notes: list = field(default_factory=list)     # what this diagnosis could not see, and why
     _replay: dict = field(default_factory=dict, repr=False)
     _batch: Any = field(default=None, repr=False)
 
@@ -539,7 +562,7 @@ class Diagnosis:
                  + ("  [a CPU: idle is host time outside ops]" if self.costs.device != "cuda" else ""),
                  "time by bound: " + " | ".join(f"{k} {b[k]:.1f} ms {_pct(b[k], total)}" for k in
                                                 ("compute", "memory", "latency", "unknown", "idle")
-                                                if b.get(k) or k != "unknown"),
+                                                if k != "unknown" or b.get(k, 0.0) >= 0.05),
                  f"kernel launches {self.launches:,.0f} per step; per decoder layer "
                  + ", ".join(f"{ph} {n:.0f}" for ph, n in self.launches_per_layer.items() if n),
                  f"host syncs {self.syncs} per step" + (":" if self.sync_sites else "")]
@@ -554,13 +577,20 @@ class Diagnosis:
                                    f"memory leaves {size(m['headroom'])} of headroom" if m.get("peak") is not None
                                    else "unknown on a CPU"))
         lines.append(f"peaks: {self.peaks}")
+        lines += [f"note: {n}" for n in self.notes]
         lines.append(f"{'where the time goes':22s} {'kernel ms':>9s} {'compute':>8s} {'memory':>8s} {'latency':>8s} "
                      f"{'launches':>8s} {'waits ms':>8s} {'syncs':>5s}")
         for r in sorted(self.categories, key=lambda r: -r["kernel_ms"]):
             lines.append(f"{r['category']:22s} {r['kernel_ms']:9.1f} {r['compute']:8.1f} {r['memory']:8.1f} "
                          f"{r['latency']:8.1f} {r['launches']:8.0f} {r['waits_ms']:8.1f} {r['syncs']:5d}")
         lines.append(f"{'switch':30s} {'predicted':>10s}  the measured cost it rests on / why not")
-        for p in self.predictions:
+        # one reason for every switch (a compiled model): said once
+        same = not any(p.applies for p in self.predictions) and len({p.reason for p in self.predictions}) == 1
+        if same:
+            head = f"{'every switch':30s} {'-':>10s}  "
+            lines += textwrap.wrap(self.predictions[0].reason, WIDTH, initial_indent=head,
+                                   subsequent_indent=" " * len(head))
+        for p in [] if same else self.predictions:
             if p.applies:
                 what = f"{-p.saving_ms:+.1f} ms" if p.saving_ms else "0 ms"
                 mem = f"; frees {size(p.memory_bytes)}" if p.memory_bytes > 0 else ""

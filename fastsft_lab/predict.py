@@ -82,6 +82,7 @@ class Costs:
     peak_bytes: int | None = None
     budget_bytes: int | None = None  # what memory_budget="90%" would allow (None: unknown, a CPU)
     link_bytes_per_s: float | None = None                    # host link, pinned copies
+    scoped: bool = True              # kernels placed in modules and layers (not under torch.compile)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -250,6 +251,11 @@ def predict_offload(c: Costs) -> Prediction:
 
 def predict(c: Costs, *, backend: str = "sdpa") -> list[Prediction]:
     """Every switch's :class:`Prediction` on the step ``c`` describes (``backend``: the packed-attention backend)."""
+    if not c.scoped:
+        why = "the step's kernels are not placed in modules (torch.compile): diagnose the uncompiled model"
+        return [_off(name, why) for name in ("packed_attention", "packed_metadata_cache", "moe_routing",
+                                             "fused_loss", "fused_lora", "fused_dequant", "memory_budget",
+                                             "offload_buffers")]
     return [predict_packed_attention(c, backend), predict_metadata_cache(c), predict_moe_routing(c),
             predict_fused_loss(c), predict_fused_lora(c), predict_fused_dequant(c), predict_memory_budget(c),
             predict_offload(c)]

@@ -16,11 +16,12 @@ and a kernel of measured time ``t`` gets one class (:func:`classify`):
 A kernel with neither estimate (no launching op recorded: a Triton kernel launched from Python) is latency when it is
 shorter than :data:`UNKNOWN_LATENCY_S`, else ``unknown`` -- reported as such, never guessed.
 
-FLOPs (:func:`op_flops`): the launching op's formula -- matmuls (``mm``, ``addmm``, ``bmm``, ``baddbmm``,
-``_grouped_mm``: 2·M·N·K) and attention (SDPA's flash / efficient / cuDNN / CPU kernels, flash and efficient attention:
-2·B·H·L·S·(D + Dv), halved when causal, x2.5 for a backward; varlen rows counted as if every sequence were
+FLOPs (:func:`op_flops`): the launching op's formula -- matmuls (``mm``, ``addmm``, ``bmm``, ``baddbmm``, in place
+too, ``_grouped_mm``: 2·M·N·K) and attention (SDPA's flash / efficient / cuDNN / CPU kernels, flash and efficient
+attention: 2·B·H·L·S·(D + Dv), halved when causal, x2.5 for a backward; varlen rows counted as if every sequence were
 ``max_seqlen`` long and windows ignored, so an upper bound) -- else the profiler's own count (``with_flops``), else 0.
-Bytes (:func:`op_bytes`): the op's tensor inputs (``record_shapes``) plus its output -- a matmul's product; an
+Bytes (:func:`op_bytes`): the op's tensor inputs (``record_shapes``; a tensor list's elements taken as 16-bit on a GPU,
+32-bit on a CPU: the profiler records their shapes, not their dtype) plus its output -- a matmul's product; an
 in-place op writes its first input back; any other op is taken to write as much as its largest input (elementwise ops,
 copies; a reduction writes less, so it is called memory-bound a little early). Device memcpy / memset are memory.
 
@@ -222,10 +223,10 @@ def _matmul_dims(name: str, s: list) -> tuple[float, int] | None:
         if name == "mm":
             (m, k), n = s[0], s[1][1]
             return 2.0 * m * k * n, m * n
-        if name == "addmm":
+        if name in ("addmm", "addmm_"):
             (m, k), n = s[1], s[2][1]
             return 2.0 * m * k * n, m * n
-        if name in ("bmm", "baddbmm"):
+        if name in ("bmm", "baddbmm", "baddbmm_"):
             a, b = (s[0], s[1]) if name == "bmm" else (s[1], s[2])
             return 2.0 * a[0] * a[1] * a[2] * b[2], a[0] * a[1] * b[2]
         if name == "_grouped_mm":

@@ -169,6 +169,15 @@ def test_bad_input_is_refused_in_one_line(case, match):
     assert "\n" not in str(err.value)
 
 
+def test_a_compiled_model_is_measured_as_compiled_and_says_what_it_cannot_see():
+    model = build_model("tiny-qwen3", device="cpu", dtype=torch.float32, lora=LoraSettings(rank=4))
+    compiled = torch.compile(model, backend="eager")           # Dynamo's graphs, no compiler: seconds on a CPU
+    d = diagnose(compiled, _batch(model), warmup=1, repeats=1)
+    assert d.notes and "torch.compile" in d.notes[0] and d.launches > 0
+    assert not any(p.applies for p in d.predictions) and "every switch" in str(d)
+    assert [s["module"] for s in d.sync_sites] == ["<outside>"]          # no module hooks on a compiled model
+
+
 def test_apply_and_measure_puts_the_measurement_beside_the_prediction_and_reverts():
     model = build_model("tiny-qwen3", device="cpu", dtype=torch.float32, lora=LoraSettings(rank=4))
     batch = _batch(model)

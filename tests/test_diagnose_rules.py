@@ -59,6 +59,7 @@ def test_an_ops_kernels_are_classified_together_and_a_kernel_without_an_op_by_it
 
 def test_op_formulas():
     assert R.op_flops("aten::addmm", [[64], [32, 16], [16, 64]]) == 2 * 32 * 16 * 64
+    assert R.op_flops("aten::addmm_", [[32, 64], [32, 16], [16, 64]]) == 2 * 32 * 16 * 64       # fused LoRA's
     assert R.op_flops("aten::bmm", [[4, 8, 16], [4, 16, 32]]) == 2 * 4 * 8 * 16 * 32
     assert R.op_flops("aten::_grouped_mm", [[100, 64], [8, 64, 32], [8]]) == 2 * 100 * 64 * 32     # one expert a row
     q = [2, 8, 128, 64]
@@ -197,6 +198,12 @@ def test_a_prediction_vanishes_with_the_cost_it_rests_on(removed, switch):
 def test_a_switch_that_does_not_apply_says_why(changed, switch, reason):
     p = _by_switch(Costs(**{**BASE, **changed}))[switch]
     assert not p.applies and reason in p.reason
+
+
+def test_a_step_whose_kernels_are_not_placed_predicts_nothing():
+    p = _by_switch(Costs(**{**BASE, "scoped": False}))
+    assert len(p) == 8 and not any(q.applies for q in p.values())
+    assert all("torch.compile" in q.reason for q in p.values())
 
 
 def test_the_memory_plan_keeps_the_most_recompute_per_byte_that_fits():

@@ -168,7 +168,7 @@ The cell below reads the same diagnosis for the few facts that decide what to do
 d = diag.diagnosis
 b = d.bounds
 top = max(("compute", "memory", "latency"), key=b.get)
-print(f"most of the kernel time is {top}-bound: {b[top]:.1f} of {d.total_ms:.1f} ms "
+print(f"the kernels' largest bound is {top}: {b[top]:.1f} of the step's {d.total_ms:.1f} ms "
       f"({b[top] / d.total_ms:.0%}); idle {d.idle_ms:.1f} ms ({d.idle_share:.0%})")
 print(f"every host-side fix together can win at most the idle time: {d.idle_ms:.1f} ms")
 for s in d.sync_sites[:3]:
