@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from .models import base_model, decoder_layers, model_device, unwrap
-from .predict import MEMORY_SHARE, Costs, Prediction, predict, size
+from .predict import COSTS, MEMORY_SHARE, Costs, Prediction, predict, size
 from .profiling import SyncCounter, time_ms
 from .roofline import ATTENTION_OPS, Peaks
 from .step_profile import WORK, Kernel, StepProfile, layer_paths, module_categories, profile_step
@@ -655,9 +655,9 @@ class Comparison:
         out = []
         for name, value in self.applied.items():
             p = next((q for q in self.before.predictions if q.switch == name), None)
-            cost = p.cost if p is not None else ""
+            cost = COSTS.get(name, "")
             out.append({"switch": name, "value": value,
-                        "predicted_ms": -(p.saving_ms if p is not None else 0.0),
+                        "predicted_ms": -(p.saving_ms if p is not None and p.applies else 0.0),
                         "cost": cost, "before": getattr(self.before.costs, cost, None) if cost else None,
                         "after": getattr(self.after.costs, cost, None) if cost else None})
         return out

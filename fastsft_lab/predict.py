@@ -88,6 +88,12 @@ class Costs:
         return asdict(self)
 
 
+# the measured cost (a Costs field) each switch's prediction rests on: read again after the switch is on
+COSTS = {"packed_attention": "attention_ms", "packed_metadata_cache": "attention_waits_ms",
+         "moe_routing": "experts_waits_ms", "fused_loss": "loss_memory_ms", "fused_lora": "lora_glue_ms",
+         "fused_dequant": "dequant_backward_ms", "memory_budget": "recompute_ms", "offload_buffers": "peak_bytes"}
+
+
 @dataclass
 class Prediction:
     """One switch: whether it applies, what :func:`fastsft_lab.apply` would get, the predicted step time saved
@@ -103,6 +109,9 @@ class Prediction:
     reason: str = ""
     cost: str = ""
     speed: bool = True          # a speed switch (suggested when it saves time); False: a memory switch
+
+    def __post_init__(self) -> None:
+        self.cost = self.cost or COSTS.get(self.switch, "")
 
     @property
     def suggested(self) -> bool:
@@ -130,8 +139,7 @@ def predict_packed_attention(c: Costs, backend: str) -> Prediction:
     exact = "" if c.stock_packs else "; and exact: the model's own attention lets packed sequences see each other"
     return Prediction("packed_attention", backend, True, saving, 0,
                       f"attention kernels {c.attention_ms:.1f} ms on rows of {c.row_tokens} tokens, "
-                      f"{c.cross_pairs:.0%} of whose causal pairs cross a sequence boundary{how}{exact}",
-                      cost="attention_ms")
+                      f"{c.cross_pairs:.0%} of whose causal pairs cross a sequence boundary{how}{exact}")
 
 
 def predict_metadata_cache(c: Costs) -> Prediction:
@@ -143,8 +151,7 @@ def predict_metadata_cache(c: Costs) -> Prediction:
     return Prediction("packed_metadata_cache", True, True, saving, 0,
                       f"every layer rebuilds the metadata: {c.attention_syncs} host syncs in attention, "
                       f"{c.attention_waits_ms:.1f} ms of waits on the host there, {c.attention_small_ms:.1f} ms of "
-                      "small kernels",
-                      cost="attention_waits_ms")
+                      "small kernels")
 
 
 def predict_moe_routing(c: Costs) -> Prediction:
@@ -155,8 +162,7 @@ def predict_moe_routing(c: Costs) -> Prediction:
     now = c.state.get("moe_routing") or "transformers' own"
     return Prediction("moe_routing", "sync_free", True, c.experts_waits_ms, 0,
                       f"experts ({now}): {c.experts_syncs} host syncs, {c.experts_launches:.0f} launches per step, "
-                      f"{c.experts_waits_ms:.1f} ms of waits on the host inside them",
-                      cost="experts_waits_ms")
+                      f"{c.experts_waits_ms:.1f} ms of waits on the host inside them")
 
 
 def predict_fused_loss(c: Costs) -> Prediction:
@@ -173,7 +179,7 @@ def predict_fused_loss(c: Costs) -> Prediction:
     freed = int(logits * (c.itemsize + 4))               # the logits and their float32 copy, held for the backward
     return Prediction("fused_loss", True, True, saving, freed,
                       f"the loss's memory-bound kernels: {c.loss_memory_ms:.1f} ms moving {size(c.loss_memory_bytes)} "
-                      f"over {c.tokens} x {c.vocab} logits (fused: {size(floor)})", cost="loss_memory_ms")
+                      f"over {c.tokens} x {c.vocab} logits (fused: {size(floor)})")
 
 
 def predict_fused_lora(c: Costs) -> Prediction:
@@ -183,7 +189,7 @@ def predict_fused_lora(c: Costs) -> Prediction:
         return _off("fused_lora", "no PEFT LoRA layers")
     return Prediction("fused_lora", True, True, c.lora_glue_ms, 0,
                       f"{c.lora_layers} LoRA layers: {c.lora_glue_ms:.1f} ms of kernels outside their matmuls "
-                      "(scaling, adds, casts)", cost="lora_glue_ms")
+                      "(scaling, adds, casts)")
 
 
 def predict_fused_dequant(c: Costs) -> Prediction:
@@ -195,7 +201,7 @@ def predict_fused_dequant(c: Costs) -> Prediction:
         return _off("fused_dequant", "its Triton kernel runs on a GPU")
     return Prediction("fused_dequant", True, True, c.dequant_backward_ms, 0,
                       f"{c.nf4_layers} NF4 layers: the backward dequantises again after the recompute, "
-                      f"{c.dequant_backward_ms:.1f} ms", cost="dequant_backward_ms")
+                      f"{c.dequant_backward_ms:.1f} ms")
 
 
 def _layers_that_fit(c: Costs, room: float) -> list[int]:
@@ -227,8 +233,7 @@ def predict_memory_budget(c: Costs) -> Prediction:
         c.layer_activations[i] - c.layer_inputs[i] for i in kept)),
         f"recompute {c.recompute_ms:.1f} ms in {n} layers; a layer keeps {size(max(c.layer_activations))} of "
         f"activations (checkpointed: its input, {size(max(c.layer_inputs))}); {size(room)} left under "
-        f"{MEMORY_SHARE:.0%} of the free memory (peak {size(c.peak_bytes)}) keeps {len(kept)} of {n}",
-        cost="recompute_ms")
+        f"{MEMORY_SHARE:.0%} of the free memory (peak {size(c.peak_bytes)}) keeps {len(kept)} of {n}")
 
 
 def predict_offload(c: Costs) -> Prediction:
@@ -246,7 +251,7 @@ def predict_offload(c: Costs) -> Prediction:
     return Prediction("offload_buffers", 2, True, -exposed, freed,
                       f"{n} layer inputs of {size(one)} on the GPU; each reload {reload_ms:.2f} ms over the host "
                       f"link ({(link or 0) / 1e9:.0f} GB/s) behind a layer's backward of "
-                      f"{min(c.backward_per_layer or [0]):.1f} ms or more", cost="peak_bytes", speed=False)
+                      f"{min(c.backward_per_layer or [0]):.1f} ms or more", speed=False)
 
 
 def predict(c: Costs, *, backend: str = "sdpa") -> list[Prediction]:
@@ -261,4 +266,4 @@ def predict(c: Costs, *, backend: str = "sdpa") -> list[Prediction]:
             predict_offload(c)]
 
 
-__all__ = ["Costs", "Prediction", "predict", "MEMORY_SHARE", "size"]
+__all__ = ["Costs", "Prediction", "predict", "COSTS", "MEMORY_SHARE", "size"]

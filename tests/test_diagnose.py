@@ -195,6 +195,18 @@ def test_apply_and_measure_puts_the_measurement_beside_the_prediction_and_revert
         d.apply_and_measure(model, batch, switches={})
 
 
+def test_a_memory_plan_applied_and_measured_removes_the_recompute_and_reverts_to_checkpointing():
+    model = build_model("tiny-qwen3", device="cpu", dtype=torch.float32, lora=LoraSettings(rank=4),
+                        gradient_checkpointing=True)
+    batch = _batch(model)
+    d = diagnose(model, batch, warmup=2, repeats=1)
+    with pytest.warns(UserWarning, match="replaces the model's own gradient checkpointing"):
+        result = d.apply_and_measure(model, batch, switches={"memory_budget": 8}, revert=True)    # 8 GiB: all kept
+    (row,) = result.rows()
+    assert row["cost"] == "recompute_ms" and row["before"] > 0 and row["after"] == 0
+    assert fastsft_lab.state(model).as_dict() == d.costs.state and d.costs.state["checkpointing"] == "standard"
+
+
 def test_the_breakdown_gives_the_steps_time_by_bound():
     from fastsft_lab.lab.breakdown import profile_steps
 
@@ -281,10 +293,11 @@ def test_cuda_kernels_are_classified_against_the_cards_peaks():
     prof = profile_step(run, model=None, device="cuda")
     by_op = {}
     for k in prof.kernels:
-        by_op.setdefault(k.op, []).append(k)
+        if not k.name.startswith("Memset"):            # a library's workspace clearing, if any
+            by_op.setdefault(k.op, []).append(k)
     assert {k.bound for k in by_op["aten::mm"]} == {"compute"}, by_op.get("aten::mm")
-    assert {k.bound for k in by_op["aten::copy_"]} == {"memory"}
-    assert {k.bound for k in by_op["aten::add_"]} == {"latency"}
+    assert {k.bound for k in by_op["aten::copy_"]} == {"memory"}, by_op.get("aten::copy_")
+    assert {k.bound for k in by_op["aten::add_"]} == {"latency"}, by_op.get("aten::add_")
     assert by_op["aten::mm"][0].flops == 2 * 8192 ** 3
     name = torch.cuda.get_device_name()
     if any(card in name for card in ("H100", "H200", "A100", "L4", "T4")):
