@@ -415,16 +415,17 @@ def _build(s: Session) -> "Diagnosis":
     sites.sort(key=lambda r: -r["count"])
 
     layers = prof.num_layers
-    per_layer = {ph: prof.launches(lambda k, ph=ph: k.where.phase == ph and k.where.layer is not None)
-                 / max(1, layers) for ph in ("forward", "backward", "recompute")}
+    # one pass each: by category and bound; by phase and layer
+    by_cat = prof.group(lambda k: (k.where.category, k.bound))
+    by_layer = prof.group(lambda k: (k.where.phase, k.where.layer))
+    per_layer = {ph: sum(n for (p, i), (_, n) in by_layer.items() if p == ph and i is not None) / max(1, layers)
+                 for ph in ("forward", "backward", "recompute")}
     categories = []
     for cat in WORK:
-        def mine(k, cat=cat):
-            return k.where.category == cat
-        row = {"category": cat, "kernel_ms": prof.kernel_ms(mine), "launches": prof.launches(mine),
+        row = {"category": cat, "kernel_ms": sum(ms for (c, _), (ms, _) in by_cat.items() if c == cat),
+               "launches": sum(n for (c, _), (_, n) in by_cat.items() if c == cat),
                "waits_ms": waits.get(cat, 0.0), "syncs": syncs_by_cat.get(cat, 0),
-               **{b: prof.kernel_ms(lambda k, cat=cat, b=b: k.where.category == cat and k.bound == b)
-                  for b in ("compute", "memory", "latency")}}
+               **{b: by_cat.get((cat, b), (0.0, 0))[0] for b in ("compute", "memory", "latency")}}
         if row["kernel_ms"] or row["syncs"] or row["waits_ms"] > 0.05:
             categories.append(row)
 
@@ -434,10 +435,8 @@ def _build(s: Session) -> "Diagnosis":
     dtype = s.autocast or getattr(getattr(head, "weight", None), "dtype", torch.float32)
     family = FAMILIES.get(getattr(s.base.config, "model_type", None))
     st = state(s.inner).as_dict()
-    recompute = [prof.kernel_ms(lambda k, i=i: k.where.phase == "recompute" and k.where.layer == i)
-                 for i in range(layers)]
-    backward = [prof.kernel_ms(lambda k, i=i: k.where.phase == "backward" and k.where.layer == i)
-                for i in range(layers)]
+    recompute = [by_layer.get(("recompute", i), (0.0, 0))[0] for i in range(layers)]
+    backward = [by_layer.get(("backward", i), (0.0, 0))[0] for i in range(layers)]
     allocated, total, free = s.memory if s.memory is not None else (None, None, None)
     budget = int(allocated + MEMORY_SHARE * free) if allocated is not None and free is not None else None
     mods = list(s.inner.modules())

@@ -578,6 +578,19 @@ class StepProfile:
         """Summed kernel time per step (overlaps counted twice) of the kernels ``where`` selects."""
         return self._mean(lambda w, ks: sum(min(k.end, w[1]) - k.start for k in ks if where(k)) / 1e3)
 
+    def group(self, key: Callable[[Kernel], Any]) -> dict[Any, tuple[float, float]]:
+        """``{key(kernel): (kernel ms, launches)}`` per step, in one pass (what :meth:`kernel_ms` and
+        :meth:`launches` give for one selection each)."""
+        ms: dict[Any, float] = defaultdict(float)
+        calls: dict[Any, set] = defaultdict(set)
+        for w in self.windows:
+            for k in self.inside(w):
+                name = key(k)
+                ms[name] += (min(k.end, w[1]) - k.start) / 1e3
+                calls[name].add((w, k.op_key if self.activity == "cpu" else id(k)))
+        n = max(1, self.steps)
+        return {name: (ms[name] / n, len(calls[name]) / n) for name in ms}
+
     def split(self, key: Callable[[Kernel], str], keys: Sequence[str] = ()) -> dict[str, float]:
         """ms per step by ``key(kernel)``, and idle: summing to the step (:func:`split_window`)."""
         total: dict[str, float] = defaultdict(float, dict.fromkeys([*keys, "idle"], 0.0))
