@@ -39,6 +39,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from ._compat import compiled_in_place
 from .models import base_model, decoder_layers, model_device, unwrap
 from .predict import COSTS, MEMORY_SHARE, Costs, Prediction, predict, size
 from .profiling import SyncCounter, time_ms
@@ -148,8 +149,7 @@ class Session:
         self._cut = len(self._prefix) + 1 if self._prefix else 0
         # torch.compile'd (the model, or modules compiled in place): module hooks would change what is compiled (and
         # recompile it inside the measured step), so the kernels are not scoped and the syncs not placed in modules
-        self.compiled = _compiled(model) or any(getattr(m, "_compiled_call_impl", None) is not None
-                                               for m in self.inner.modules())
+        self.compiled = _compiled(model) or any(compiled_in_place(m) for m in self.inner.modules())
 
     def rel(self, path: str) -> str:
         """A module path of the user's model as the causal LM names it (``model.layers.3.mlp``)."""

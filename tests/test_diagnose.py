@@ -176,6 +176,13 @@ def test_a_compiled_model_is_measured_as_compiled_and_says_what_it_cannot_see():
     assert d.notes and "torch.compile" in d.notes[0] and d.launches > 0
     assert not any(p.applies for p in d.predictions) and "every switch" in str(d)
     assert [s["module"] for s in d.sync_sites] == ["<outside>"]          # no module hooks on a compiled model
+    # a layer compiled in place (nn.Module.compile) counts as compiled too
+    from fastsft_lab._compat import compiled_in_place
+
+    layer = decoder_layers(model)[0]
+    assert not compiled_in_place(layer)
+    layer.compile(backend="eager")
+    assert compiled_in_place(layer)
 
 
 def test_apply_and_measure_puts_the_measurement_beside_the_prediction_and_reverts():
