@@ -18,7 +18,9 @@ typical speed-ups (a prediction is an upper bound where the switch adds work of 
     offload_buffers        a memory switch: frees the checkpointed layer inputs; costs the reloads the double buffer
                            cannot hide behind each layer's backward
 
-A switch that does not apply is named with the reason (no experts, no LoRA, not packed, on already, ...).
+A switch that does not apply is named with the reason (no experts, no LoRA, not packed, on already, ...). A switch
+that makes a wrong step right (packed attention where the model's own attention lets packed sequences see each other,
+as stock GPT-OSS does) is suggested whatever it is predicted to save.
 """
 
 from __future__ import annotations
@@ -109,13 +111,15 @@ class Prediction:
     reason: str = ""
     cost: str = ""
     speed: bool = True          # a speed switch (suggested when it saves time); False: a memory switch
+    corrects: bool = False      # it makes the step right where the model's own path is wrong (suggested whatever
+                                # it saves)
 
     def __post_init__(self) -> None:
         self.cost = self.cost or COSTS.get(self.switch, "")
 
     @property
     def suggested(self) -> bool:
-        return self.applies and self.speed and self.saving_ms > 0
+        return self.applies and ((self.speed and self.saving_ms > 0) or self.corrects)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "suggested": self.suggested}
@@ -136,10 +140,11 @@ def predict_packed_attention(c: Costs, backend: str) -> Prediction:
     skips = backend in SKIPPING_BACKENDS
     saving = c.attention_ms * c.cross_pairs if skips else 0.0
     how = "" if skips else f" (the {backend} backend masks them but still computes them; varlen and flex skip them)"
-    exact = "" if c.stock_packs else "; and exact: the model's own attention lets packed sequences see each other"
+    exact = "" if c.stock_packs else "; and right: the model's own attention lets packed sequences see each other"
     return Prediction("packed_attention", backend, True, saving, 0,
                       f"attention kernels {c.attention_ms:.1f} ms on rows of {c.row_tokens} tokens, "
-                      f"{c.cross_pairs:.0%} of whose causal pairs cross a sequence boundary{how}{exact}")
+                      f"{c.cross_pairs:.0%} of whose causal pairs cross a sequence boundary{how}{exact}",
+                      corrects=not c.stock_packs)
 
 
 def predict_metadata_cache(c: Costs) -> Prediction:

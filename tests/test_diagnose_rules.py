@@ -200,6 +200,13 @@ def test_a_switch_that_does_not_apply_says_why(changed, switch, reason):
     assert not p.applies and reason in p.reason
 
 
+def test_packing_a_model_whose_own_attention_leaks_across_sequences_is_suggested_to_make_it_right():
+    c = Costs(**{**BASE, "stock_packs": False})
+    p = _by_switch(c, backend="sdpa")["packed_attention"]
+    assert p.saving_ms == 0 and p.corrects and p.suggested and "see each other" in p.rests_on
+    assert not _by_switch(Costs(**BASE), backend="sdpa")["packed_attention"].suggested
+
+
 def test_a_step_whose_kernels_are_not_placed_predicts_nothing():
     p = _by_switch(Costs(**{**BASE, "scoped": False}))
     assert len(p) == 8 and not any(q.applies for q in p.values())
