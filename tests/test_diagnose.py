@@ -193,8 +193,10 @@ def test_apply_and_measure_puts_the_measurement_beside_the_prediction_and_revert
     result = d.apply_and_measure(model, batch, switches={"fused_lora": True, "fused_loss": True}, revert=True)
     assert fastsft_lab.state(model) == original
     rows = {r["switch"]: r for r in result.rows()}
-    assert rows["fused_lora"]["cost"] == "lora_glue_ms"
-    assert rows["fused_lora"]["after"] < rows["fused_lora"]["before"]       # PEFT's scaling and add are gone
+    assert rows["fused_lora"]["cost"] == "lora_glue_ms" and rows["fused_lora"]["before"] > 0
+    # PEFT's scaling and add are gone (counted: a shared CPU's timings move more than this difference)
+    lora = {x["category"]: x["launches"] for x in d.categories}["lora"]
+    assert {x["category"]: x["launches"] for x in result.after.categories}["lora"] < lora
     assert result.after.costs.state["fused_lora"] and not d.costs.state["fused_lora"]
     text = str(result)
     assert "predicted" in text and "measured" in text and "fused_lora=True" in text
