@@ -473,8 +473,9 @@ def _build(s: Session) -> "Diagnosis":
     where = torch.cuda.get_device_name(s.device) if cuda else "CPU"
     return Diagnosis(
         model=name, device=where, autocast=str(s.autocast).replace("torch.", "") if s.autocast else None,
-        batch=(f"{facts.get('rows', 0)} x {facts.get('row_tokens', 0)} tokens, {facts.get('sequences', 0)} sequences"
-               + (" packed" if facts.get("packed") else "")) if facts else "?",
+        batch=(f"{facts['rows']} x {facts['row_tokens']} tokens, {facts['sequences']} "
+               f"sequence{'s' if facts['sequences'] != 1 else ''}" + (" packed" if facts["packed"] else "")
+               ) if facts else "?",
         step_ms=step_ms, profiled_step_ms=prof.step_ms, busy_ms=busy, idle_ms=idle, bounds=bounds,
         launches=prof.launches(), launches_per_layer=per_layer, syncs=counter.total if counter is not None else 0,
         sync_sites=sites, recompute_ms=costs.recompute_ms,
