@@ -10,7 +10,9 @@ Three optimizations, each behind a before/after toggle that can be flipped on a 
 
 ``fastsft_lab.apply(model, ...)`` / ``revert(model)`` switch them together; ``state(model)`` says what is on.
 Foundation: ``models`` (presets, random-weight real-size builds, QLoRA), ``data`` (packer, synthetic corpus),
-``profiling`` (host-sync counter, timers), ``evidence`` (equivalence checks). What measures and explains them
+``profiling`` (host-sync counter, timers), ``evidence`` (equivalence checks). ``diagnose(model, batch)`` measures
+one training step of your own (what bounds it, its host syncs, launches, idle and recompute) and predicts what each
+switch would win on it (``diagnosis``, over ``step_profile``, ``roofline`` and ``predict``). What measures and explains them
 (scenarios, harness, plots, committed results, the ``python -m fastsft_lab`` CLI) is ``fastsft_lab.lab``, which
 the library never imports.
 """
@@ -22,13 +24,14 @@ import importlib
 __version__ = "0.2.0"
 
 _SUBMODULES = ("env", "families", "models", "data", "profiling", "model_state", "toggles", "evidence", "loss", "lora", "dequant", "packing", "offload", "moe",
-               "lab")
+               "roofline", "step_profile", "predict", "diagnosis", "lab")
 _NAMES = {
     "apply": "toggles", "revert": "toggles", "state": "model_state", "ModelState": "model_state",
     "build_model": "models", "LoraSettings": "models", "PRESETS": "models",
     "SyncCounter": "profiling", "count_syncs": "profiling",
     "PackedCollator": "packing", "PackedMetadata": "packing", "enable_packed_attention": "packing",
     "enable_offloaded_checkpointing": "offload", "set_moe_routing": "moe",
+    "diagnose": "diagnosis", "Diagnosis": "diagnosis",
 }
 
 

@@ -24,6 +24,11 @@ def compiled_inner(module: nn.Module) -> nn.Module | None:
     return module._orig_mod if isinstance(module, OptimizedModule) else None
 
 
+def compiled_in_place(module: nn.Module) -> bool:
+    """Whether ``module.compile()`` compiled it in place (``nn.Module._compiled_call_impl``; torch 2.2-2.13)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
 def ddp_inner(module: nn.Module) -> nn.Module | None:
     """The module under ``DistributedDataParallel`` or ``DataParallel`` (public ``.module``), or None."""
     from torch.nn.parallel import DataParallel, DistributedDataParallel
@@ -201,7 +206,7 @@ def bnb_fix_quant_state():
     return fix_4bit_weight_quant_state_from_module
 
 
-__all__ += ["in_backward", "bnb_fix_quant_state"]
+__all__ += ["in_backward", "bnb_fix_quant_state", "compiled_in_place"]
 
 
 # --- FSDP2 (torch.distributed.fsdp.fully_shard) -------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""A ``transformers.TrainerCallback`` that logs what the optimizations change, step by step, in a real training run.
+"""``transformers.TrainerCallback``s: what the optimizations change, step by step, in a real training run, and a
+diagnosis of the Trainer's own step (:class:`DiagnoseCallback`).
 
 ``StepStatsCallback`` adds to the trainer's logs, every ``logging_steps``: the step time (wall clock between step
 ends, so it includes data loading and the optimizer), the real tokens per second (:func:`real_tokens`: a collator's
@@ -13,6 +14,7 @@ with TRL's ``SFTTrainer`` as with ``Trainer``::
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -150,4 +152,116 @@ def _plan_of(model) -> str | None:
     return None if planner is None or planner.plan is None else planner.plan.describe()
 
 
-__all__ = ["StepStatsCallback", "real_tokens"]
+
+class DiagnoseCallback(_trainer_callback_base()):
+    """:func:`fastsft_lab.diagnose` on the Trainer's own loop: its batches, its autocast and accelerate wrapping, its
+    optimizer step, what its loop does between forward and backward. Warm steps first, then one step each: profiled
+    (the kernels; the step's inputs and autocast kept), ``repeats`` timed (the step time, the peak memory), one with
+    its host syncs counted. The report is printed (main process), kept in :attr:`diagnosis`, and the step's inputs in
+    :attr:`batch` -- ``callback.diagnosis.apply_and_measure(model, callback.batch)`` measures the suggestions on it::
+
+        diag = DiagnoseCallback(step=3)
+        trainer = SFTTrainer(model=model, args=cfg, train_dataset=ds, callbacks=[diag])
+        trainer.train()                          # prints the report after step 3 + repeats + 2
+        fastsft_lab.apply(model, **diag.diagnosis.suggested())
+
+    Args:
+        step: the first measured step (the steps before it warm up: 2+ for a memory plan, which measures at step 1).
+        repeats: timed steps (their median is the step time).
+        print_report: print the report when it is ready.
+    """
+
+    def __init__(self, step: int = 3, repeats: int = 3, print_report: bool = True):
+        if step < 1 or repeats < 1:
+            raise ValueError(f"DiagnoseCallback needs step >= 1 and repeats >= 1, got step={step}, repeats={repeats}")
+        self.step, self.repeats, self.print_report = step, repeats, print_report
+        self.diagnosis: Any = None      # the Diagnosis, once measured
+        self.batch: dict | None = None  # the profiled step's inputs, as the Trainer passed them to the model
+        self._session: Any = None
+        self._recorder: Any = None
+        self._capture: Any = None
+        self._t = 0.0
+
+    @property
+    def last_step(self) -> int:
+        """The last step measured: the sync count's."""
+        return self.step + self.repeats + 1
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from .diagnosis import Session
+
+        if state.max_steps and 0 < state.max_steps <= self.last_step:
+            raise ValueError(f"DiagnoseCallback(step={self.step}, repeats={self.repeats}) measures steps {self.step}-"
+                             f"{self.last_step}: train at least {self.last_step + 1} steps (max_steps is "
+                             f"{state.max_steps})")
+        self._session = Session(model)
+        self.diagnosis = None
+
+    def _sync(self) -> None:
+        if self._session.device.type == "cuda":
+            torch.cuda.synchronize(self._session.device)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        from .step_profile import StepRecorder
+
+        s, g = self._session, state.global_step
+        if s is None or self.diagnosis is not None:
+            return
+        if g == self.step - 1:                               # the inputs and autocast kept (a warm-up step)
+            self._capture = s.capture()
+            self._capture.__enter__()
+        elif g == self.step:                                 # profiled
+            self._recorder = StepRecorder(None if s.compiled else s.inner, s.device).start()
+            self._recorder.begin_step()
+        elif self.step < g < self.last_step:                 # timed
+            if g == self.step + 1:
+                s.read_memory()
+                if s.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(s.device)
+            self._sync()
+            self._t = time.perf_counter()
+        elif g == self.last_step:                            # host syncs counted
+            s.sync_counter().__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        s, g = self._session, state.global_step - 1          # the step that just ended
+        if s is None or self.diagnosis is not None:
+            return
+        if g == self.step - 1 and self._capture is not None:
+            self._capture.__exit__(None, None, None)
+            self._capture = None
+        elif g == self.step and self._recorder is not None:
+            self._recorder.end_step()
+            s.profile = self._recorder.stop()
+            self._recorder = None
+        elif self.step < g < self.last_step:
+            self._sync()
+            s.times_ms.append((time.perf_counter() - self._t) * 1e3)
+            if g == self.last_step - 1 and s.device.type == "cuda":
+                s.peak = int(torch.cuda.max_memory_allocated(s.device))
+        elif g == self.last_step and s.counter is not None:
+            s.counter.__exit__(None, None, None)
+            if s.profile.kernel_ms(lambda k: k.where.phase == "recompute") > 0:
+                s.measure_layers()
+            self.diagnosis = s.diagnosis()
+            self.diagnosis._replay = {"autocast": s.autocast}
+            self.diagnosis._batch = self.batch = s.inputs
+            self._session = None
+            if self.print_report and getattr(state, "is_world_process_zero", True):
+                print(self.diagnosis)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        # a run stopped inside the measured steps: leave no profiler, hook or counter behind
+        if self._recorder is not None:
+            self._recorder.close()
+            self._recorder = None
+        if self._capture is not None:
+            self._capture.__exit__(None, None, None)
+            self._capture = None
+        s = self._session
+        if s is not None and s.counter is not None and self.diagnosis is None:
+            with contextlib.suppress(ValueError):
+                s.counter.__exit__(None, None, None)
+
+
+__all__ = ["StepStatsCallback", "DiagnoseCallback", "real_tokens"]

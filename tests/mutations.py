@@ -381,6 +381,17 @@ MUTATIONS = [
     Mutation("mfu-counts-frozen-weight-gradients", "fastsft_lab/lab/flops.py",
              "    base = (4 if frozen_base else 6) * n * tokens", "    base = 6 * n * tokens",
              ("tests/test_flops_model.py",)),
+    # --- diagnose: what bounds a kernel, the step's busy time, the recompute
+    Mutation("roofline-latency-threshold-inverted", "fastsft_lab/roofline.py",
+             "if max(t_compute, t_memory) < LATENCY_FRACTION * seconds:",
+             "if max(t_compute, t_memory) > LATENCY_FRACTION * seconds:",
+             ("tests/test_diagnose_rules.py", "-k", "big_matmul or ridge or together")),
+    Mutation("busy-union-counts-overlaps-twice", "fastsft_lab/step_profile.py",
+             "            total += e - end", "            total += e - s",
+             ("tests/test_diagnose_rules.py", "-k", "busy or gap")),
+    Mutation("recompute-taken-for-forward", "fastsft_lab/step_profile.py",
+             'phase = "forward" if above.phase == "forward" else "recompute"', "phase = above.phase",
+             ("tests/test_diagnose_rules.py", "tests/test_diagnose.py", "-k", "recompute")),
     # --- fused NF4 dequantisation
     Mutation("dequant-bf16-truncated", "fastsft_lab/dequant.py",
              "values = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)",

@@ -4,32 +4,24 @@ from __future__ import annotations
 
 from typing import Sequence
 
-# Dense bf16 tensor-core peaks (no sparsity), from the vendors' data sheets, by a substring of the GPU's name.
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12,
-             "A10G": 70e12, "T4": 65e12, "RTX 4090": 165e12, "RTX 3090": 71e12}
+from ..roofline import CARDS, card_peaks
 
-
-# HBM bandwidth, bytes/s, from the same data sheets (SXM parts where there are several): the floor of memory-bound
-# work such as the MoE glue (see moe_glue_bytes).
-PEAK_HBM = {"H200": 4.8e12, "H100": 3.35e12, "B200": 8.0e12, "A100": 2.039e12, "L40S": 0.864e12, "L4": 0.3e12,
-            "A10G": 0.6e12, "T4": 0.32e12, "RTX 4090": 1.008e12, "RTX 3090": 0.936e12}
-
-
-def _by_name(table: dict, gpu_name: str | None) -> float | None:
-    for key, value in table.items():
-        if gpu_name and key in gpu_name:
-            return value
-    return None
+# The GPUs' data-sheet peaks are the library's (fastsft_lab.roofline.CARDS: dense 16-bit tensor-core FLOP/s and HBM
+# bytes/s), which classify every kernel of a diagnosed step; the same numbers give the MFU and the glue's HBM floor.
+PEAK_BF16 = {label: flops[0] for _, label, flops, _ in CARDS}
+PEAK_HBM = {label: bandwidth for _, label, _, bandwidth in CARDS}
 
 
 def peak_flops(gpu_name: str | None) -> float | None:
-    """The GPU's dense bf16 tensor-core peak, FLOP/s (None for a GPU not in ``PEAK_BF16``)."""
-    return _by_name(PEAK_BF16, gpu_name)
+    """The GPU's dense bf16 tensor-core peak, FLOP/s (None for a GPU not in the table)."""
+    card = card_peaks(gpu_name)
+    return card.flops["16-bit"] if card is not None else None
 
 
 def peak_bandwidth(gpu_name: str | None) -> float | None:
-    """The GPU's HBM bandwidth, bytes/s (None for a GPU not in ``PEAK_HBM``)."""
-    return _by_name(PEAK_HBM, gpu_name)
+    """The GPU's HBM bandwidth, bytes/s (None for a GPU not in the table)."""
+    card = card_peaks(gpu_name)
+    return card.bandwidth if card is not None else None
 
 
 def moe_glue_bytes(tokens: int, top_k: int, hidden: int, intermediate: int, itemsize: int = 2) -> int:
