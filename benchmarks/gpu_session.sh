@@ -14,7 +14,11 @@
 #   experts-profile   benchmarks/experts_profile.py (one MoE layer's experts vs the grouped matmuls, profiled);
 #                     extra flags from $EXPERTS_ARGS
 #   notebooks         execute the notebooks ($NOTEBOOKS, default all) with SMOKE=0 into place
+#   diagnose          benchmarks/diagnose_report.py: fastsft_lab.diagnose on stock GPT-OSS-20B and the README recipe
+#                     (flags from $DIAGNOSE_ARGS, e.g. --only recipe-qwen3)
 #   soak              benchmarks/soak.py (long all-fast run: memory slopes, forced OOM fallback, loss curves)
+#   plan-script       benchmarks/plan_script.py once per order in $PLAN_SCRIPT_ORDERS (default: build-then-plan
+#                     recipe-then-plan), each a fresh process; extra flags from $PLAN_SCRIPT_ARGS
 #   unsloth           benchmarks/unsloth_peer.sh: benchmarks/unsloth_peer/ in its own site folder (.whl-unsloth)
 #
 # RUN names the results folder (default h200-<UTC date>). Everything comes back as one tarball, $OUT/session.tgz
@@ -79,8 +83,14 @@ run_stage() {
       mkdir -p "$dir" && cp ${NOTEBOOKS:-notebooks/0*.ipynb} "$dir/"
       FASTSFT_DEVICE_PROFILE="$prof" SMOKE=0 MPLBACKEND=Agg timeout "$limit" python3 benchmarks/run_notebooks.py \
         "$dir"/0*.ipynb > "$log" 2>&1 ;;
+    diagnose)
+      timeout -s INT "$limit" python3 benchmarks/diagnose_report.py --out "$R/diagnose" ${DIAGNOSE_ARGS:-} > "$log" 2>&1 ;;
     soak)
       timeout -s INT "$limit" python3 benchmarks/soak.py --out "$R/soak" ${SOAK_ARGS:-} > "$log" 2>&1 ;;
+    plan-script)
+      timeout -s INT "$limit" bash -c "for o in ${PLAN_SCRIPT_ORDERS:-build-then-plan recipe-then-plan}; do \
+        python3 benchmarks/plan_script.py --order \$o --out $R/plan-script ${PLAN_SCRIPT_ARGS:-} || exit 1; done" \
+        > "$log" 2>&1 ;;
     unsloth)
       # one log per peer model and checkpointing setting (several in one call)
       log="$R/logs/unsloth-${UNSLOTH_PEER_MODEL:-qwen3-14b}${UNSLOTH_PEER_CHECKPOINTING:+-ck$UNSLOTH_PEER_CHECKPOINTING}.log"

@@ -10,8 +10,11 @@ Three optimizations, each behind a before/after toggle that can be flipped on a 
 
 ``fastsft_lab.apply(model, ...)`` / ``revert(model)`` switch them together; ``state(model)`` says what is on (each
 switch's finer controls are in its package). Every change a switch makes goes through the model's restore log
-(``restore``), which ``revert`` undoes. Foundation: ``models`` (presets, random-weight real-size builds, QLoRA), ``data`` (packer, synthetic corpus),
-``profiling`` (host-sync counter, timers), ``evidence`` (equivalence checks). What measures and explains them
+(``restore``), which ``revert`` undoes. Foundation: ``models`` (presets, random-weight real-size builds, QLoRA),
+``data`` (packer, synthetic corpus), ``profiling`` (host-sync counter, timers), ``evidence`` (equivalence checks).
+``diagnose(model, batch)`` measures one training step of your own (what bounds it, its host syncs, launches, idle
+and recompute) and predicts what each switch would win on it (``diagnosis``, over ``step_profile``, ``roofline`` and
+``predict``). What measures and explains them
 (scenarios, harness, plots, committed results, the ``python -m fastsft_lab`` CLI) is ``fastsft_lab.lab``, which
 the library never imports.
 """
@@ -23,12 +26,14 @@ import importlib
 __version__ = "0.2.0"
 
 _SUBMODULES = ("env", "families", "structure", "models", "data", "profiling", "restore", "model_state", "toggles",
-               "evidence", "loss", "lora", "dequant", "packing", "offload", "moe", "lab")
+               "evidence", "loss", "lora", "dequant", "packing", "offload", "moe", "roofline", "step_profile",
+               "predict", "diagnosis", "lab")
 _NAMES = {
     "apply": "toggles", "revert": "toggles", "state": "model_state", "ModelState": "model_state",
     "build_model": "models", "LoraSettings": "models", "PRESETS": "models",
     "SyncCounter": "profiling", "count_syncs": "profiling",
     "PackedCollator": "packing", "PackedMetadata": "packing",
+    "diagnose": "diagnosis", "Diagnosis": "diagnosis",
 }
 
 

@@ -8,6 +8,7 @@ included; its rule is written there). A private attribute a switch writes is nam
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -24,6 +25,11 @@ def compiled_inner(module: nn.Module) -> nn.Module | None:
     except ImportError:   # a torch without dynamo
         return None
     return module._orig_mod if isinstance(module, OptimizedModule) else None
+
+
+def compiled_in_place(module: nn.Module) -> bool:
+    """Whether ``module.compile()`` compiled it in place (``nn.Module._compiled_call_impl``; torch 2.2-2.13)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
 
 
 def ddp_inner(module: nn.Module) -> nn.Module | None:
@@ -203,7 +209,7 @@ def bnb_fix_quant_state():
     return fix_4bit_weight_quant_state_from_module
 
 
-__all__ += ["in_backward", "bnb_fix_quant_state"]
+__all__ += ["in_backward", "bnb_fix_quant_state", "compiled_in_place"]
 
 
 # --- private attributes of transformers' models that the switches write (through the restore log) and read ---------
@@ -343,3 +349,44 @@ __all__ += ["tensor_version", "tensor_is_view", "ATEN_LOCAL_SCALAR_DENSE", "ATEN
             "ATEN_INDEX_PUT_IMPL", "ATEN_TO_COPY", "ATEN_RESHAPE_ALIAS", "ATEN_MATMUL_AND_ATTENTION", "empty_host_cache", "cuda_sleep",
             "compiled_call", "set_compiled_call", "forward_hooks", "remove_forward_hook", "experts_gate",
             "peft_check_forward_args", "xformers_has_cpp_library"]
+
+# --- FSDP2 (torch.distributed.fsdp.fully_shard) -------------------------------------------------------------------
+@contextlib.contextmanager
+def fsdp2_hooks_as_in_recompute(modules):
+    """Inside: the FSDP2 ``modules``' forward hooks run as they do in an activation checkpoint's recompute (their
+    ``FSDPState._training_state`` at ``TrainingState.PRE_BACKWARD``; torch 2.6-2.13): the pre-forward hook only
+    makes sure the parameters are unsharded and casts the inputs, the post-forward hook neither reshards nor
+    registers a gradient hook -- so a forward + ``torch.autograd.grad`` there runs no collective and reduces no
+    gradient. The states are put back on exit."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    states = [m._get_fsdp_state() for m in modules]
+    before = [s._training_state for s in states]
+    for s in states:
+        s._training_state = TrainingState.PRE_BACKWARD
+    try:
+        yield
+    finally:
+        for s, b in zip(states, before):
+            s._training_state = b
+
+
+__all__ += ["fsdp2_hooks_as_in_recompute"]
+
+
+# --- aten op schemas ------------------------------------------------------------------------------------------------
+def written_tensors(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an aten op writes into (its schema's arguments marked as written: ``self`` of ``x.addmm_``, the
+    ``out=`` of an out variant), from a ``TorchDispatchMode``'s ``(func, args, kwargs)`` (``OpOverload._schema``;
+    torch 2.0-2.13)."""
+    found: list[torch.Tensor] = []
+    for i, arg in enumerate(func._schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        found += [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return found
+
+
+__all__ += ["written_tensors"]

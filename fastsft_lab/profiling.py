@@ -172,6 +172,9 @@ class SyncCounter:
         modules: optional ``{name: module}`` to attribute counts to (innermost active module wins);
             see :meth:`for_decoder_layers`.
         cross_check: on CUDA, also count the syncs ``torch.cuda.set_sync_debug_mode('warn')`` reports.
+        locate: also count each sync by ``(module, site, kind)`` in :attr:`sites`, ``site`` being the innermost
+            Python frame outside torch and this module (``"transformers/models/.../modeling_x.py:123"``): the line
+            that asked the device for an answer.
 
     Example::
 
@@ -181,7 +184,7 @@ class SyncCounter:
     """
 
     def __init__(self, device: torch.device | str | None = None, modules: dict[str, nn.Module] | None = None,
-                 cross_check: bool = False):
+                 cross_check: bool = False, locate: bool = False):
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -191,6 +194,8 @@ class SyncCounter:
         self.by_module: Counter = Counter()
         self.cuda_reported: int | None = None
         self.cuda_messages: list[str] = []      # where CUDA saw each sync (file:line of the Python frame)
+        self.locate = locate
+        self.sites: Counter = Counter()          # with locate: {(module, "file:line", kind): count}
         self._stack: list[str] = []
         self._hooks: list = []
         self._mode: SyncCountingMode | None = None
@@ -224,6 +229,7 @@ class SyncCounter:
     def reset(self) -> None:
         self.by_kind.clear()
         self.by_module.clear()
+        self.sites.clear()
 
     # -- internals
     def _on_device(self, t: torch.Tensor) -> bool:
@@ -236,7 +242,10 @@ class SyncCounter:
         if _SUPPRESS[0]:
             return
         self.by_kind[kind] += 1
-        self.by_module[self._stack[-1] if self._stack else "<outside>"] += 1
+        module = self._stack[-1] if self._stack else "<outside>"
+        self.by_module[module] += 1
+        if self.locate:
+            self.sites[(module, caller_site(), kind)] += 1
 
     def _push(self, name):
         def hook(module, args, kwargs=None):
@@ -285,6 +294,37 @@ class SyncCounter:
             h.remove()
         self._hooks.clear()
         self._stack.clear()
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_STDLIB_DIR = os.path.dirname(contextlib.__file__) + os.sep
+
+
+def short_path(filename: str) -> str:
+    """``filename`` from its package on (``transformers/models/...``, ``fastsft_lab/...``) where it is installed or
+    in a working tree; else as it is."""
+    for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
+        if marker in filename:
+            return filename.split(marker, 1)[1]
+    cwd = os.getcwd() + os.sep
+    return filename[len(cwd):] if filename.startswith(cwd) else filename
+
+
+def caller_site() -> str:
+    """``"file:line"`` of the innermost Python frame outside torch, this module and the standard library, marked
+    ``(in backward)`` when autograd's engine runs it (a backward op of C++ has no frame of its own: the line is then
+    the one that called ``backward``)."""
+    from ._compat import in_backward
+
+    where = " (in backward)" if in_backward() else ""
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        stdlib = name.startswith(_STDLIB_DIR) and "-packages" + os.sep not in name    # a package can live below it
+        if not (stdlib or name.startswith((_TORCH_DIR, "<")) or name == __file__):
+            return f"{short_path(name)}:{frame.f_lineno}{where}"
+        frame = frame.f_back
+    return "<no Python frame>" + where
 
 
 def count_syncs(fn: Callable[[], object], device=None) -> int:
@@ -556,6 +596,6 @@ def profile(fn: Callable[[], object], *, steps: int = 1, trace_path: str | None 
                          queue_full_ms=round(queue_full, 4) if cuda and kernels else None)
 
 
-__all__ = ["SyncCounter", "SyncCountingMode", "SyncReport", "count_syncs", "PhaseTimer", "time_ms", "reset_peak_memory",
+__all__ = ["SyncCounter", "SyncCountingMode", "caller_site", "short_path", "SyncReport", "count_syncs", "PhaseTimer", "time_ms", "reset_peak_memory",
            "peak_memory", "current_memory", "percentiles", "host_device_timeline", "profile", "ProfileResult",
            "summarize_events", "QUEUE_FULL", "quiet_profiler"]

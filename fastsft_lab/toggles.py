@@ -118,8 +118,9 @@ def apply(
         fused_dequant: True dequantises QLoRA's NF4 base weights in one Triton kernel (CUDA) and, inside a
             checkpoint's recompute, keeps the weight for the backward instead of dequantising it a third time
             (:mod:`fastsft_lab.dequant`); bit for bit bitsandbytes' weights. Refused for FP4 weights.
-        memory_budget: the step's peak: GiB (``80``), or a share of the device's free memory on top of what is
-            allocated now (``"90%"``: the loaded model plus 90% of what is left): each decoder layer keeps
+        memory_budget: the step's peak (each rank's, under DDP / FSDP2): GiB (``80``), or on a GPU a share of its
+            free memory on top of what is allocated now (``"90%"``: the loaded model plus 90% of what is left;
+            a CPU takes GiB): each decoder layer keeps
             its activations, saves only matmul / attention outputs, or is checkpointed (input kept or offloaded),
             whichever plan is fastest within the budget (:mod:`fastsft_lab.offload.plan`; measured on step 1,
             solved at step 2, shown by ``state(model).memory_plan``). Exact: every plan computes what plain

@@ -73,6 +73,21 @@ CASES: dict[str, tuple] = {
                                   dict(packed_attention="sdpa", offload_buffers=2, fused_loss=True), True),
     "fsdp2-qwen3-full-offload1-applied-after": ("fsdp2", "tiny-qwen3", False,
                                                 dict(packed_attention="sdpa", offload_buffers=1), False),
+    # the memory plan's first step under FSDP2, applied before fully_shard (the README's order) and after it: each
+    # kind of layer measured on its gathered weights, every layer offloaded
+    "fsdp2-qwen3-lora-memory-plan": ("fsdp2", "tiny-qwen3", True,
+                                     dict(packed_attention="sdpa", memory_budget=16, fused_loss=True), True),
+    "fsdp2-qwen3-full-memory-plan-applied-after": ("fsdp2", "tiny-qwen3", False,
+                                                   dict(packed_attention="sdpa", memory_budget=16), False),
+    # a fixed plan of the choices the solved case below does not reach, offload_saved's hooks and copies included
+    "fsdp2-qwen3-lora-plan-every-choice": ("fsdp2", "tiny-qwen3", True,
+                                           dict(packed_attention="sdpa", memory_budget=16, fused_loss=True,
+                                                plan=("offload_saved", "selective", "checkpoint")), True),
+    # a plan solved at step 2 (``solve``: after step 1 each rank's budget is its smallest plan's peak plus
+    # a + b * rank kept layers, so alone the ranks would keep different layers): one plan for both ranks, mixed
+    "fsdp2-qwen3-lora-plan-solved": ("fsdp2", "tiny-qwen3", True,
+                                     dict(packed_attention="sdpa", memory_budget=16, fused_loss=True,
+                                          solve=(1.5, 1.0)), True),
 }
 
 
@@ -188,8 +203,10 @@ def _wrap(model: torch.nn.Module, wrapper: str) -> torch.nn.Module:
 
 def _apply_switches(model: torch.nn.Module, switches: dict) -> None:
     """``fastsft_lab.apply(model, **switches)``; a ``plan`` among them is then fixed with ``set_plan``, every saved
-    activation of its offload_saved layers moved (the tiny models' are all under the default size it leaves)."""
+    activation of its offload_saved layers moved (the tiny models' are all under the default size it leaves);
+    ``solve`` is :func:`_solve_per_rank`'s."""
     switches = dict(switches)
+    switches.pop("solve", None)
     plan = switches.pop("plan", None)
     fastsft_lab.apply(model, **switches)
     if plan is not None:
@@ -197,6 +214,30 @@ def _apply_switches(model: torch.nn.Module, switches: dict) -> None:
 
         P.set_plan(model, plan)
         P.memory_planner(model).saved.min_bytes = 0
+
+
+def _solve_per_rank(wrapped: torch.nn.Module, model: torch.nn.Module, inputs: dict, spread: tuple) -> None:
+    """The memory plan's step 1 (measuring, every layer offloaded) on ``inputs``, gradients dropped; then this
+    rank's budget: its smallest plan's predicted peak plus ``a + b * rank`` kept layers' bytes. The next step
+    solves the plan -- under FSDP2 one plan for every rank, under the smallest of their budgets."""
+    from fastsft_lab.offload import plan as P
+
+    wrapped(**inputs).loss.backward()
+    model.zero_grad(set_to_none=True)
+    planner = P.memory_planner(model)
+    keep = max(c.held["keep"] for c in planner.costs.values())
+    planner.budget = int(planner.smallest(planner.tokens) + (spread[0] + spread[1] * dist.get_rank()) * keep)
+
+
+def _plans_of_ranks(model: torch.nn.Module) -> list | None:
+    """Every rank's memory plan (its choices), in rank order; None where the model has no solved plan."""
+    from fastsft_lab.offload import plan as P
+
+    planner = P.memory_planner(model)
+    mine = list(planner.plan.choices) if planner is not None and planner.plan is not None else None
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    return None if mine is None else out
 
 
 def run_case(name: str) -> dict | None:
@@ -224,6 +265,8 @@ def run_case(name: str) -> dict | None:
     wrapped = _wrap(model, wrapper)
     if not before:
         _apply_switches(wrapped, switches)
+    if "solve" in switches:
+        _solve_per_rank(wrapped, model, {**mine, "num_items_in_batch": n_global}, switches["solve"])
     state = str(fastsft_lab.state(wrapped))
     holder: dict[str, Any] = {}
     per_expert = _tokens_per_expert(model, lambda: holder.setdefault("out", wrapped(**mine, num_items_in_batch=n_global)))
@@ -232,8 +275,14 @@ def run_case(name: str) -> dict | None:
     loss = out.loss.detach().clone()
     dist.all_reduce(loss)                 # the global mean: every rank divided by the global count
     got = _grads(wrapped)
+    plans = _plans_of_ranks(model)
     if rank != 0:
         return None
+    if "solve" in switches:               # the case tests what it says: a solved plan, mixed, one for every rank
+        if plans is None or len(set(plans[0])) < 2:
+            raise AssertionError(f"the solved plan does not mix choices: {plans}")
+        if wrapper == "fsdp2" and any(p != plans[0] for p in plans):
+            raise AssertionError(f"the ranks of a sharded model took different plans: {plans}")
     ref_model = _model(preset, lora, router_loss=scope is not None)     # one process: the stock router loss
     _apply_switches(ref_model, switches)
     ref_out = ref_model(**reference, num_items_in_batch=_n_items(reference["labels"]))
@@ -258,7 +307,7 @@ def run_case(name: str) -> dict | None:
             "loss_diff": abs(float(loss) - float(ref_out.loss)), "n_grads": len(ref), "missing_grads": missing,
             "zero_grads": zero, "max_grad_diff": max(diffs.values()) if diffs else None,
             "worst_grad": max(diffs, key=diffs.__getitem__) if diffs else None,
-            "rank0_alone_vs_ref": local_gap,
+            "rank0_alone_vs_ref": local_gap, "plans_per_rank": plans,
             # rank 0's (layer, expert) pairs that received no token in its forward
             "idle_experts_rank0": sorted({(i, e) for i, counts in enumerate(per_expert)
                                           for e, c in enumerate(counts) if c == 0})}

@@ -4,32 +4,24 @@ from __future__ import annotations
 
 from typing import Sequence
 
-# Dense bf16 tensor-core peaks (no sparsity), from the vendors' data sheets, by a substring of the GPU's name.
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12,
-             "A10G": 70e12, "T4": 65e12, "RTX 4090": 165e12, "RTX 3090": 71e12}
+from ..roofline import CARDS, card_peaks
 
-
-# HBM bandwidth, bytes/s, from the same data sheets (SXM parts where there are several): the floor of memory-bound
-# work such as the MoE glue (see moe_glue_bytes).
-PEAK_HBM = {"H200": 4.8e12, "H100": 3.35e12, "B200": 8.0e12, "A100": 2.039e12, "L40S": 0.864e12, "L4": 0.3e12,
-            "A10G": 0.6e12, "T4": 0.32e12, "RTX 4090": 1.008e12, "RTX 3090": 0.936e12}
-
-
-def _by_name(table: dict, gpu_name: str | None) -> float | None:
-    for key, value in table.items():
-        if gpu_name and key in gpu_name:
-            return value
-    return None
+# The GPUs' data-sheet peaks are the library's (fastsft_lab.roofline.CARDS: dense 16-bit tensor-core FLOP/s and HBM
+# bytes/s), which classify every kernel of a diagnosed step; the same numbers give the MFU and the glue's HBM floor.
+PEAK_BF16 = {label: flops[0] for _, label, flops, _ in CARDS}
+PEAK_HBM = {label: bandwidth for _, label, _, bandwidth in CARDS}
 
 
 def peak_flops(gpu_name: str | None) -> float | None:
-    """The GPU's dense bf16 tensor-core peak, FLOP/s (None for a GPU not in ``PEAK_BF16``)."""
-    return _by_name(PEAK_BF16, gpu_name)
+    """The GPU's dense bf16 tensor-core peak, FLOP/s (None for a GPU not in the table)."""
+    card = card_peaks(gpu_name)
+    return card.flops["16-bit"] if card is not None else None
 
 
 def peak_bandwidth(gpu_name: str | None) -> float | None:
-    """The GPU's HBM bandwidth, bytes/s (None for a GPU not in ``PEAK_HBM``)."""
-    return _by_name(PEAK_HBM, gpu_name)
+    """The GPU's HBM bandwidth, bytes/s (None for a GPU not in the table)."""
+    card = card_peaks(gpu_name)
+    return card.bandwidth if card is not None else None
 
 
 def moe_glue_bytes(tokens: int, top_k: int, hidden: int, intermediate: int, itemsize: int = 2) -> int:
@@ -45,10 +37,17 @@ def moe_glue_bytes(tokens: int, top_k: int, hidden: int, intermediate: int, item
     return itemsize * (4 * tokens * hidden + 5 * rows * hidden + 8 * rows * intermediate)
 
 
-def step_flops(config, seq_lengths, *, active_experts: int | None = None) -> dict:
-    """Model FLOPs of one training step: ``6 N T`` (N: the matmul parameters a token passes through, LM head
-    included, embeddings not) plus causal attention over each packed segment (sliding windows honoured), forward
-    and backward. The PaLM convention: it counts the weight gradients of frozen weights that QLoRA skips."""
+def step_flops(config, seq_lengths, *, active_experts: int | None = None, frozen_base: bool = False,
+               adapter_params: int = 0) -> dict:
+    """Model FLOPs of one training step on ``seq_lengths`` (the real segments: padding left out), forward and
+    backward: the matmuls ``2 N T`` forward, ``2 N T`` for the input gradients and, where the weights train,
+    ``2 N T`` for their gradients (N: the matmul parameters a token passes through, LM head included, embeddings not;
+    T: the tokens), plus causal attention over each segment (sliding windows honoured).
+
+    ``frozen_base``: the base weights take no gradient (LoRA / QLoRA): ``4 N T``, where the PaLM convention
+    (the default, ``6 N T``) counts weight gradients a frozen base never computes. ``adapter_params``: the adapter
+    parameters a token passes through (:func:`adapter_params`): trained, ``6`` FLOPs per token each. A recompute
+    (checkpointing) is not model FLOPs: MFU is the same for every plan of one model and batch."""
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
     h, layers = c.hidden_size, c.num_hidden_layers
     heads, kv = c.num_attention_heads, c.num_key_value_heads
@@ -71,15 +70,73 @@ def step_flops(config, seq_lengths, *, active_experts: int | None = None) -> dic
         for row in seq_lengths:
             for s in row:
                 pairs += s * (s + 1) // 2 if w is None or w >= s else w * (w + 1) // 2 + (s - w) * w
-    attention = 3 * 4 * heads * hd * pairs
-    return {"matmul_params": n, "tokens": tokens, "flops": 6 * n * tokens + attention, "attention_flops": attention}
+    attention = 3 * 4 * heads * hd * pairs           # forward: Q K^T and P V, 2 d each per pair; backward twice that
+    base = (4 if frozen_base else 6) * n * tokens
+    adapters = 6 * adapter_params * tokens
+    return {"matmul_params": n, "tokens": tokens, "flops": base + adapters + attention, "attention_flops": attention,
+            "base_flops": base, "adapter_flops": adapters, "lm_head_flops": (4 if frozen_base else 6) * c.vocab_size
+            * h * tokens}
 
 
-def batch_flops(config, seq_lengths: Sequence[Sequence[int]], mode: str = "train") -> float:
-    """Model FLOPs of one step on a batch: :func:`step_flops` for ``train``; a third of it for ``forward`` (no
-    backward: ``2 N T`` and the forward attention)."""
-    flops = step_flops(config, seq_lengths)["flops"]
-    return flops if mode == "train" else flops / 3
+def batch_flops(config, seq_lengths: Sequence[Sequence[int]], mode: str = "train", **trained) -> float:
+    """Model FLOPs of one step on a batch: :func:`step_flops` for ``train`` (``trained``: its ``frozen_base`` and
+    ``adapter_params``); for ``forward`` (no backward) ``2 N T`` and the forward attention."""
+    parts = step_flops(config, seq_lengths, **trained)
+    if mode == "train":
+        return parts["flops"]
+    n, tokens = parts["matmul_params"], parts["tokens"]
+    return 2 * n * tokens + 2 * trained.get("adapter_params", 0) * tokens + parts["attention_flops"] / 3
 
 
-__all__ = ["PEAK_BF16", "peak_flops", "step_flops", "batch_flops"]
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_params(config, rank: int, targets: Sequence[str]) -> int | None:
+    """LoRA's parameters a token passes through, from the sizes alone: rank ``rank`` on ``targets`` of every
+    decoder layer of ``config``, named as transformers' decoders name their projections (each adapter ``r (in +
+    out)``); None for a target not among them or an MoE's MLP (its experts' adapters: :func:`adapter_params` on the
+    model counts them)."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    h, heads, kv = c.hidden_size, c.num_attention_heads, c.num_key_value_heads
+    hd = getattr(c, "head_dim", None) or h // heads
+    moe = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+    inter = c.intermediate_size
+    sizes = {"q_proj": h + heads * hd, "k_proj": h + kv * hd, "v_proj": h + kv * hd, "o_proj": heads * hd + h,
+             "gate_proj": h + inter, "up_proj": h + inter, "down_proj": inter + h}
+    if any(t not in sizes or (moe and t not in _PROJECTIONS[:4]) for t in targets):
+        return None
+    return c.num_hidden_layers * rank * sum(sizes[t] for t in targets)
+
+
+def model_flops_from_palm(palm_flops: float, config, tokens: float, *, frozen_base: bool,
+                          adapter_params: int) -> float:
+    """:func:`step_flops`'s model FLOPs from a step counted in the PaLM convention (its default: ``6 N T`` plus
+    attention, as the bench recorded ``flops_per_step`` before it counted a frozen base apart): the frozen base's
+    weight gradients taken out, the adapters' FLOPs put in."""
+    n = step_flops(config, [[1]])["matmul_params"]
+    return palm_flops - (2 * n * tokens if frozen_base else 0) + 6 * adapter_params * tokens
+
+
+def adapter_params(model) -> int:
+    """The adapter (PEFT LoRA) parameters a token of ``model`` passes through: every ``lora_`` parameter that
+    trains, those of an MoE layer's experts scaled by the share of experts a token is routed to."""
+    c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+    share = (getattr(c, "num_experts_per_tok", None) or 1) / experts if experts else 1.0
+    total = 0.0
+    for name, p in model.named_parameters():
+        if p.requires_grad and ".lora_" in f".{name}":
+            total += p.numel() * (share if ".experts." in f".{name}." else 1.0)
+    return int(round(total))
+
+
+def trained_terms(model) -> dict:
+    """What :func:`step_flops` needs to know of how ``model`` trains: whether its base weights are frozen (only
+    adapters train) and its adapters' parameters."""
+    trains = [n for n, p in model.named_parameters() if p.requires_grad]
+    frozen = bool(trains) and all(".lora_" in f".{n}" for n in trains)
+    return {"frozen_base": frozen, "adapter_params": adapter_params(model)}
+
+
+__all__ = ["PEAK_BF16", "adapter_params", "lora_params", "model_flops_from_palm", "peak_flops", "step_flops",
+           "batch_flops", "trained_terms"]

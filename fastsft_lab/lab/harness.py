@@ -29,7 +29,7 @@ from ..structure import base_model
 from ..packing.metadata import BuildLog
 from ..packing.switch import packed_attention_state
 from ..profiling import PhaseTimer, SyncCounter, current_memory, peak_memory, percentiles, reset_peak_memory
-from .flops import batch_flops, peak_flops
+from .flops import batch_flops, peak_flops, trained_terms
 
 
 def _noop(model: nn.Module) -> None:
@@ -262,27 +262,35 @@ def run_variants(
     return results
 
 
-def add_throughput(rows: list[dict], model: nn.Module, batches: Sequence[PackedBatch], *, mode: str = "train") -> None:
+def add_throughput(rows: list[dict], model: nn.Module, batches: Sequence[PackedBatch], *, mode: str = "train",
+                   model_flops: bool = False) -> float | None:
     """Put ``tokens_per_s`` and ``mfu`` beside every measured step time in ``rows``: real tokens per step over the
     median step, and the model FLOPs of the step (:mod:`.flops`: ``6 N T`` + attention for training, a third of it
-    for a forward) over the GPU's dense bf16 peak (None where the GPU's peak is not known, e.g. on a CPU)."""
+    for a forward) over the GPU's dense bf16 peak (None where the GPU's peak is not known, e.g. on a CPU).
+
+    ``model_flops``: count the step as this model trains it (:func:`.flops.trained_terms`: a frozen base's weight
+    gradients left out, its adapters counted) and set ``mfu`` and ``flops_per_step`` over what the rows had. Returns
+    the FLOPs of a step (None where they are not counted)."""
     try:
         config = base_model(model).config
+        terms = trained_terms(model) if model_flops else {}
         # each row's padding tail (its last segment when pad_lengths says so) is neither a token nor model FLOPs
         lengths = [[list(row[:-1]) if pad else list(row) for row, pad in zip(b.seq_lengths, b.pad_lengths)]
                    for b in batches]
         tokens = sum(sum(sum(r) for r in sl) for sl in lengths) / len(lengths)
-        flops = sum(batch_flops(config, sl, mode) for sl in lengths) / len(lengths)
+        flops = sum(batch_flops(config, sl, mode, **terms) for sl in lengths) / len(lengths)
     except (AttributeError, TypeError):  # not a decoder LM config the FLOP count knows: no MFU, say nothing false
-        return
+        return None
     device = batches[0].input_ids.device
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     for r in rows:
         if "step_ms" in r and r["step_ms"].get("median"):
             s = r["step_ms"]["median"] / 1e3
             r.setdefault("tokens_per_s", round(tokens / s, 1))
-            r.setdefault("mfu", round(flops / s / peak, 4) if peak else None)
-            r.setdefault("flops_per_step", flops)
+            put = r.__setitem__ if model_flops else r.setdefault
+            put("mfu", round(flops / s / peak, 4) if peak else None)
+            put("flops_per_step", flops)
+    return flops
 
 
 def count_step_syncs(model: nn.Module, batch: PackedBatch, variant: Variant, *, mode: str, optimizer) -> dict:

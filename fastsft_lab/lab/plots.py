@@ -713,10 +713,39 @@ def _labels_apart(ax, points: Sequence[tuple[float, float, str]]) -> None:
         placed.append(box)
 
 
+def _mfu_axis(ax, doc: dict, fastest_ms: float) -> None:
+    """A right-hand axis of MFU for a frontier's step-time axis: one step's model FLOPs (the same for every row and
+    peer on the same batches: :func:`.results.frontier_flops`) over the time and the card's dense bf16 peak -- each
+    point's MFU read off beside its ms. None drawn where the FLOPs or the peak are unknown."""
+    import numpy as np
+
+    from .flops import peak_flops
+    from .results import frontier_flops
+
+    flops, peak = frontier_flops(doc), peak_flops(doc.get("env", {}).get("gpu_name"))
+    if not flops or not peak:
+        return
+    scale = flops / peak * 1e3 * 100                # ms -> % of the peak, and back: the same reciprocal
+
+    def turn(v):
+        v = np.asarray(v, dtype=float)
+        return scale / np.maximum(v, 1e-9)          # the axis starts at 0 ms: an MFU there is off any scale
+
+    right = ax.secondary_yaxis("right", functions=(turn, turn))
+    lowest, highest = scale / ax.get_ylim()[1], min(100.0, 1.25 * scale / fastest_ms)   # the axis's top, the best
+    step = 10 if highest - lowest > 30 else 5
+    ticks = [m for m in range(step, 101, step) if lowest <= m <= highest]
+    right.set_yticks(ticks)
+    right.set_yticklabels([f"{m}%" for m in ticks])
+    right.set_ylabel("MFU, of the dense bf16 peak (model FLOPs)", fontsize=8)
+    right.tick_params(labelsize=7)
+
+
 def plot_frontier(docs: Sequence[dict], root=None):
     """Per memory-plan frontier (``results.budget_results``): step time against measured peak memory (predicted
     where none was measured), the plans joined by a line from the smallest (every layer offloaded) to keeping
-    everything, the README recipe and no checkpointing as their own markers, each plan labelled with its choices."""
+    everything, the README recipe and no checkpointing as their own markers, each plan labelled with its choices;
+    MFU on the right-hand axis (:func:`_mfu_axis`)."""
     from .results import frontier_peers, frontier_rows, run_of, weights_text
     plt = _plt()
     cols = min(3, len(docs))
@@ -754,6 +783,7 @@ def plot_frontier(docs: Sequence[dict], root=None):
                  or r["name"].startswith("offload x2") or r["name"] == "no checkpointing"]
         ax.set_ylim(0, 1.12 * max(r["ms"] for r in shown or rows))
         ax.margins(x=0.15)                                   # room for the last plan's label
+        _mfu_axis(ax, doc, min(r["ms"] for r in shown or rows))
         ax.legend(fontsize=6.5, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, frameon=False)
     fig.suptitle("the memory plan's frontier", fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 0.985))                 # the title above the first row's panel titles

@@ -365,6 +365,14 @@ def frontier_findings(doc: dict, rows: list[dict]) -> list[str]:
     return out
 
 
+MFU_NOTE = ("MFU: model FLOPs of the step (the frozen base's forward and input gradients, LoRA's forward and "
+            "gradients, attention over the real segments, the LM head; no recompute) over the card's dense bf16 peak.")
+
+
+def _mfu(row: dict) -> str:
+    return f"{row['mfu']:.1%}" if row.get("mfu") is not None else "–"
+
+
 def frontier_text(doc: dict, root=None) -> str:
     """A frontier of :func:`.results.budget_results` as text (one line per budget, search plan, reference and peer
     run, then :func:`frontier_findings`), for notebooks."""
@@ -372,14 +380,16 @@ def frontier_text(doc: dict, root=None) -> str:
     rows = R.frontier_rows(doc, R.frontier_peers(doc, root))
     w = max([len("plan (budget: choices)")] + [len(r["name"]) for r in rows])
     out = [f"{_frontier_header(doc)} | {R.describe_run(doc)}",
-           f"  {'plan (budget: choices)':{w}s} {'step ms':>8s} {'vs recipe':>9s} {'predicted':>9s} {'peak GiB':>8s}"]
+           f"  {'plan (budget: choices)':{w}s} {'step ms':>8s} {'vs recipe':>9s} {'MFU':>6s} {'predicted':>9s} "
+           f"{'peak GiB':>8s}"]
     for r in rows:
         if r["ms"] is None:
             out.append(f"  {r['name']:{w}s} did not run: {(r['error'] or '')[:80]}")
             continue
         speed = f"{r['speed']:8.2f}x" if r["speed"] else f"{'–':>9s}"
-        out.append(f"  {r['name']:{w}s} {r['ms']:8.1f} {speed} {g(r['predicted']):>9s} {g(r['peak']):>8s}")
-    return "\n".join(out + frontier_findings(doc, rows))
+        out.append(f"  {r['name']:{w}s} {r['ms']:8.1f} {speed} {_mfu(r):>6s} {g(r['predicted']):>9s} "
+                   f"{g(r['peak']):>8s}")
+    return "\n".join(out + frontier_findings(doc, rows) + [MFU_NOTE])
 
 
 def budget_table() -> str:
@@ -389,17 +399,17 @@ def budget_table() -> str:
     g = lambda b: f"{b / 2**30:.1f}" if b else "–"          # noqa: E731
     out = []
     for doc in docs:
-        out += [f"**{_frontier_header(doc)}**\n", "| plan (budget: choices) | step ms (median) | vs recipe | "
-                "predicted peak GiB | measured peak GiB | host syncs/step |", "|---|---|---|---|---|---|"]
+        out += [f"**{_frontier_header(doc)}**\n", "| plan (budget: choices) | step ms (median) | vs recipe | MFU | "
+                "predicted peak GiB | measured peak GiB | host syncs/step |", "|---|---|---|---|---|---|---|"]
         rows = R.frontier_rows(doc, R.frontier_peers(doc))
         for r in rows:
             if r["ms"] is None:
-                out.append(f"| {r['name']} | did not run: {(r['error'] or '')[:80]} | | | | |")
+                out.append(f"| {r['name']} | did not run: {(r['error'] or '')[:80]} | | | | | |")
             else:
                 speed = f"{r['speed']:.2f}x" if r["speed"] else "–"
-                out.append(f"| {r['name']} | {r['ms']:.1f} | {speed} | {g(r['predicted'])} | {g(r['peak'])} | "
-                           f"{r['syncs'] if r['syncs'] is not None else '–'} |")
-        out += ["", *frontier_findings(doc, rows), f"\nSource: {_source([doc])}.\n"]
+                out.append(f"| {r['name']} | {r['ms']:.1f} | {speed} | {_mfu(r)} | {g(r['predicted'])} | "
+                           f"{g(r['peak'])} | {r['syncs'] if r['syncs'] is not None else '–'} |")
+        out += ["", *frontier_findings(doc, rows), MFU_NOTE, f"\nSource: {_source([doc])}.\n"]
     return "\n".join(out).rstrip()
 
 

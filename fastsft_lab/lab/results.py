@@ -403,13 +403,47 @@ def frontier_peers(doc: dict, root=None) -> list[dict]:
             if run_of(d) == run_of(doc) and shape(d["config"]) == shape(doc["config"])]
 
 
+def frontier_flops(doc: dict) -> float | None:
+    """Model FLOPs of one step of a memory-plan frontier (:func:`.flops.step_flops` with the base frozen where LoRA
+    trains: forward and input gradients, the adapters' weight gradients, attention over the real segments, the LM
+    head), the same for every row and for the peer on the same batches. Recorded by the budget scenario
+    (``config.model_flops_per_step``); for a run before it recorded them, worked out from what its rows recorded: the
+    PaLM-convention ``flops_per_step``, the tokens (``tokens_per_s`` x the median step) and the preset's sizes and
+    LoRA rank (:func:`.flops.model_flops_from_palm`). None where neither is there."""
+    from types import SimpleNamespace
+
+    from ..models import PRESETS
+    from .flops import lora_params, model_flops_from_palm
+
+    c = doc["config"]
+    if c.get("model_flops_per_step"):
+        return float(c["model_flops_per_step"])
+    v = next((v for v in doc["variants"] if v.get("flops_per_step") and v.get("tokens_per_s") and "step_ms" in v),
+             None)
+    preset = PRESETS.get(c.get("model"))
+    if v is None or preset is None:
+        return None
+    config = SimpleNamespace(**{**preset.config, "num_hidden_layers": c.get("num_layers")
+                                or preset.config["num_hidden_layers"]})
+    rank = c.get("lora_rank") or 0
+    adapters = lora_params(config, rank, preset.lora_targets) if rank else 0
+    if adapters is None:
+        return None
+    tokens = v["tokens_per_s"] * v["step_ms"]["median"] / 1e3
+    return model_flops_from_palm(v["flops_per_step"], config, tokens, frozen_base=bool(rank), adapter_params=adapters)
+
+
 def frontier_rows(doc: dict, peers: Sequence[dict] = ()) -> list[dict]:
     """One memory-plan frontier (``bench --only budget``) as rows: each budget's plan, the exhaustive search's plans
     (``searched``: the budget they were ranked for), the README recipe and no checkpointing, then each variant of
     ``peers`` (:func:`frontier_peers`; ``peer``: True), with step ms, predicted and measured peak (bytes; None where
-    not recorded), speed against the recipe ("x": higher is faster) and the error of a variant that did not run
-    (e.g. out of memory)."""
+    not recorded), speed against the recipe ("x": higher is faster), MFU (:func:`frontier_flops` over the step and
+    the card's dense bf16 peak; None where either is unknown) and the error of a variant that did not run (e.g. out
+    of memory)."""
+    from .flops import peak_flops
+
     recipe = next((v for v in doc["variants"] if v["name"].startswith("offload x2") and "step_ms" in v), None)
+    flops, peak = frontier_flops(doc), peak_flops(doc.get("env", {}).get("gpu_name"))
     rows = []
     variants = [(v, False) for v in doc["variants"]] + [(v, True) for p in peers for v in p["variants"]]
     for v, peer in variants:
@@ -421,6 +455,7 @@ def frontier_rows(doc: dict, peers: Sequence[dict] = ()) -> list[dict]:
                "peak": v.get("peak_mem_bytes"), "ms": v["step_ms"]["median"] if "step_ms" in v else None,
                "error": v.get("error"), "syncs": v.get("host_syncs_per_step")}
         row["speed"] = recipe["step_ms"]["median"] / row["ms"] if recipe and row["ms"] else None
+        row["mfu"] = flops / (row["ms"] / 1e3) / peak if flops and peak and row["ms"] else None
         rows.append(row)
     return rows
 
@@ -445,7 +480,7 @@ def frontier_vs_peers(rows: Sequence[dict]) -> list[dict]:
     return out
 
 
-__all__ = ["weights_text", "attribution_results", "attribution_for", "chain_steps", "NOT_IN_CHAIN", "budget_results", "plans_in", "frontier_rows", "frontier_peers", "frontier_vs_peers",
+__all__ = ["weights_text", "attribution_results", "attribution_for", "chain_steps", "NOT_IN_CHAIN", "budget_results", "plans_in", "frontier_flops", "frontier_rows", "frontier_peers", "frontier_vs_peers",
            "PEER_MEMORY_MULTIPLES", "all_results", "load_results", "run_of", "newest_per_config", "describe_run", "build_index", "write_index",
            "repo_results_dir", "INDEX", "step_spread", "unsettled", "UNSETTLED_SPREAD", "offload_results",
            "packed_regime", "packed_key", "packed_configs", "packed_headline", "combined_results", "newest_peak_gib", "peer_results", "PEER_OUR_VARIANTS", "experts_profile",

@@ -38,14 +38,21 @@ How a plan is made (:class:`MemoryPlanner`, switched on by ``apply(model, memory
 3. a later batch with more tokens than the plan was made for re-plans on the host (token counts are shapes: no host
    sync); ``max_tokens`` plans for the largest batch up front.
 
+Several ranks (:mod:`.ranks`): each rank measures and plans its own memory. Under DDP each keeps its own plan; under
+FSDP2 (``fully_shard`` per decoder layer, then the root, applied before or after ``apply``) a rank counts its shards
+and the gathered weights of the layers running, measures a layer on its gathered weights, and the ranks take one plan:
+the most any rank measured, at the largest rank's tokens, under the smallest budget.
+
 On a GPU that shares the host's memory (GB10, Jetson) the plan offloads nothing: a byte moved to "host" memory is
 still a byte of the same memory (the allocator's counters would not see it).
 
 The prediction adds the optimizer's state where step 1 ran before the first ``optimizer.step()``
 (``optimizer_bytes_per_param``, 8 = Adam in float32); it leaves out the allocator's slack (block rounding,
 fragmentation), so on CUDA a plan never spends more than this process can reach at step 2 less step 1's slack
-(:func:`allocator_ceiling`; ``state(model)`` says when a budget was solved under it). On a CPU step 1's peak is not
-measured: the model's own bytes and the largest layer's activations stand for it.
+(:func:`allocator_ceiling`; ``state(model)`` says when a budget was solved under it). Step 1 starts by giving the
+allocator's unused cached blocks back and resetting its peak counters (:func:`release_cached_blocks`): its peaks and
+its slack are its own, whatever the process ran before (building the model, another configuration). On a CPU step
+1's peak is not measured: the model's own bytes and the largest layer's activations stand for it.
 """
 
 from __future__ import annotations
@@ -63,11 +70,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .._compat import ATEN_MATMUL_AND_ATTENTION, TorchDispatchMode, is_fsdp2, pytree, tensor_version
+from .._compat import ATEN_MATMUL_AND_ATTENTION, TorchDispatchMode, pytree, tensor_version, written_tensors
 from .._util import pow2_ceil
 from ..restore import Optimization, changes, is_on, record, undo
 from ..structure import base_model, decoder_layers, model_device
+from .allocator import (AllocatorCounters, allocator_ceiling, allocator_counters, budget_bytes, device_memory,
+                        parse_budget, release_cached_blocks, step_ceiling)
 from .pool import host_memory_available
+from .ranks import Ranks, check_sharding, held_bytes, local, model_bytes, ranks_of, storage_ptrs, unsharded
 from .saved import MIN_BYTES as SAVED_MIN_BYTES
 from .saved import SavedOffload
 from .solver import CHOICES, BudgetError, GiB, LayerCost, Plan, _size, predict, solve
@@ -134,12 +144,15 @@ def full_checkpoint(function: Callable, *args, **kwargs) -> Any:
 # -- measuring one layer ---------------------------------------------------------------------------------------------
 class _SavedBytes:
     """Counts, during one forward, the bytes autograd saves (unique storages, parameters left out) and the bytes of
-    the outputs of the ops the selective choice saves."""
+    the outputs of the ops the selective choice saves, and which of those outputs an op writes into afterwards."""
 
     def __init__(self, exclude: set[int]):
         self.exclude = exclude
         self.saved: dict[int, int] = {}
         self.selective: dict[int, tuple[int, Any, torch.Tensor, int]] = {}
+        # storages written in place since a saved op made them: through any alias, even one that does not share
+        # the output's version counter (the fused LoRA adds into a matmul's output through ``_unsafe_view``'s)
+        self.written: set[int] = set()
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
@@ -156,11 +169,14 @@ class _SavedBytes:
         class _Outputs(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
+                written = written_tensors(func, args, kwargs or {})
+                counter.written.update(t.untyped_storage().data_ptr() for t in written)
                 if func.overloadpacket in saved:
                     for t in pytree.tree_leaves(out):
                         if isinstance(t, torch.Tensor):
                             st = t.untyped_storage()
                             counter.selective[st.data_ptr()] = (st.nbytes(), func.overloadpacket, t, tensor_version(t))
+                            counter.written.discard(st.data_ptr())
                 return out
 
         return _Outputs()
@@ -223,7 +239,7 @@ def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Te
     device = x.device
     params = list(params)
     inp = x.detach().requires_grad_(True)
-    exclude = {p.untyped_storage().data_ptr() for p in [*params, *resident]}
+    exclude = storage_ptrs([*params, *resident])
 
     def step(run: Callable) -> None:
         out = _first_tensor(run(function, inp))
@@ -252,7 +268,10 @@ def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Te
     readings["pinned"] = sum(pow2_ceil(b) for b in small_saved if b >= SAVED_MIN_BYTES)
     del out
     records = [r for p, r in count.selective.items() if p != inp.untyped_storage().data_ptr()]
-    unsaved = frozenset(op for _, op, t, version in records if tensor_version(t) != version)
+    # an output written after it was made would come back from the cache changed, and the recompute would write it
+    # again (torch checks the output's version counter, which an ``_unsafe_view`` alias does not share)
+    unsaved = frozenset(op for _, op, t, version in records
+                        if tensor_version(t) != version or t.untyped_storage().data_ptr() in count.written)
     selective = in_bytes + sum(b for b, op, _, _ in records if op not in unsaved)
     # the records hold every recorded op's output, graph and all, and that graph's saved tensors hold this
     # recorder's pack hook: a cycle through C++ that no garbage collection frees, unless the records go here
@@ -296,63 +315,6 @@ def measure_layer(function: Callable, x: torch.Tensor, params: Sequence[torch.Te
 
 
 # -- on a live model -------------------------------------------------------------------------------------------------
-def allocator_ceiling(*, free: int, reserved: int, peak_reserved: int, peak_allocated: int) -> int:
-    """The most bytes a step's tensors can be allocated on a CUDA device: what this process has reserved plus what
-    the device has free, less the caching allocator's slack as step 1 measured it (reserved but unallocated at its
-    peak: block rounding and fragmentation, which the same layers at the same sizes pay again)."""
-    return free + reserved - max(0, peak_reserved - peak_allocated)
-
-
-def parse_budget(value, total: int | None, free: int | None, held: int = 0) -> int:
-    """``memory_budget`` in bytes, the most a step may allocate: a number of GiB (``80``), or a share of the device's
-    free memory (``"90%"``) on top of the ``held`` bytes already allocated (the model: a budget is a peak, and a
-    loaded model's weights are in it)."""
-    forms = "a size in GiB (e.g. 80) or a share of the device's free memory (e.g. '90%')"
-    if isinstance(value, str) and value.strip().endswith("%"):
-        try:
-            share = float(value.strip()[:-1])
-        except ValueError:
-            share = -1.0
-        if not 0 < share <= 100:
-            raise ValueError(f"memory_budget {value!r}: a share must be between 0% and 100%; {forms}")
-        if free is None:
-            raise ValueError(f"memory_budget {value!r}: this device does not report its free memory; give {forms}")
-        return held + int(free * share / 100)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"memory_budget must be {forms}, got {value!r}")
-    if value <= 0:
-        raise ValueError(f"memory_budget must be positive, got {value!r}: {forms}")
-    budget = int(value * GiB)
-    if total is not None and budget > total:
-        raise ValueError(f"memory_budget {value} GiB is above the device's memory ({total / GiB:.1f} GiB): "
-                         f"give {forms}")
-    return budget
-
-
-def budget_bytes(value, device: torch.device) -> int:
-    """:func:`parse_budget` on ``device``: its total and free memory and, on CUDA, what is allocated there now."""
-    held = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    return parse_budget(value, *device_memory(device), held=held)
-
-
-def device_memory(device: torch.device) -> tuple[int | None, int | None]:
-    """(total, free) bytes of ``device``: the GPU's, or the host's physical memory for a CPU (free unknown). On CUDA
-    "free" is what a new tensor can get: the device's free memory plus what this process's caching allocator holds
-    unallocated (the driver counts that as used)."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return total, free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    try:
-        import os
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), None
-    except (ValueError, OSError, AttributeError):
-        return None, None
-
-
-def _tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 @dataclass
 class MemoryPlanner:
     """A model's memory plan: measures on step 1, solves at step 2, re-plans for larger batches (module docstring).
@@ -383,6 +345,8 @@ class MemoryPlanner:
     saved: SavedOffload | None = None     # the offload_saved layers' activations (None: that choice is off)
     unified: bool = False      # the GPU shares the host's memory (GB10, Jetson): offloading frees nothing there
     ceiling: int | None = None # CUDA: the most a step can allocate (:func:`allocator_ceiling`, read at step 2)
+    root: Any = None           # a weakref to the model (its bytes, read at step 1: it may be sharded after apply)
+    ranks: Ranks | None = None # FSDP2 over several ranks: the ranks this plan agrees with (:mod:`.ranks`)
     offloading: Offloading | None = None   # the offloaded layers' manager and checkpoint functions
     functions: list = field(default_factory=list)     # each layer's checkpoint function while the plan is on
 
@@ -416,8 +380,11 @@ class MemoryPlanner:
             return full_checkpoint(function, *args)
         if choice == "offload_saved":
             layer = self.layers[index]()
-            resident = [*layer.parameters(), *layer.buffers()] if layer is not None else []
-            with self.saved.layer(index, {t.untyped_storage().data_ptr() for t in resident}):
+            # read at the layer's first saved tensor, inside its forward: under FSDP2 its gathered weights are
+            # registered on it only then
+            resident: Any = ((lambda: storage_ptrs([*layer.parameters(), *layer.buffers()])) if layer is not None
+                             else set())
+            with self.saved.layer(index, resident):
                 return function(*args)
         out = self.offload[index](function, *args, **kwargs)
         if self.plan is None:
@@ -458,9 +425,7 @@ class MemoryPlanner:
         if self.plan is None:
             kind = self.kinds[index]
             if kind not in self.costs and x is not None:
-                layer = self.layers[index]()
-                self._measure(index, kind, function, x,
-                              [p for p in layer.parameters() if p.requires_grad] if layer is not None else [])
+                self._measure(index, kind, function, x)
                 if index == 0:
                     self._check_floor()
             return "offload", frozenset()
@@ -470,10 +435,7 @@ class MemoryPlanner:
     def _unsaved(self, index: int, function: Callable, args: tuple) -> frozenset:
         cost = self.costs.get(self.kinds[index])
         if cost is None:      # a plan set by hand before any measurement: find the in-place ops once
-            x = args[0]
-            layer = self.layers[index]()
-            params = [p for p in layer.parameters() if p.requires_grad] if layer is not None else []
-            cost = self._measure(index, self.kinds[index], function, x, params, reset_peak=False)
+            cost = self._measure(index, self.kinds[index], function, args[0], reset_peak=False)
         return cost.unsaved
 
     def _step_start(self, x: torch.Tensor) -> None:
@@ -484,32 +446,47 @@ class MemoryPlanner:
             in_bytes = x.numel() * x.element_size()
             self.staging = self.buffers * in_bytes
             if self.device.type == "cuda":
+                release_cached_blocks(self.device)   # step 1's slack and peaks its own, whatever ran before
                 self.static = torch.cuda.memory_allocated(self.device) - in_bytes
-            params = [p for ref in self.layers if (layer := ref()) is not None for p in layer.parameters()]
-            trainable = [p for p in params if p.requires_grad]
+            layers = [layer for ref in self.layers if (layer := ref()) is not None]
+            check_sharding(layers)                   # sharded after apply: read now
+            self.ranks = ranks_of(layers)
+            root = self.root() if self.root is not None else None
+            if root is not None:
+                self.fixed_cpu = model_bytes(root, layers)
+            trainable = [p for layer in layers for p in layer.parameters() if p.requires_grad]
             if trainable and all(p.grad is None for p in trainable):
-                self.allowance = self.optimizer_bytes_per_param * sum(p.numel() for p in trainable)
+                # a sharded parameter's optimizer state is its shard's
+                self.allowance = self.optimizer_bytes_per_param * sum(local(p).numel() for p in trainable)
             return
         if self.steps == 2 and self.device.type == "cuda":
             if self.peak is None:   # no backward seen by the hook: everything since step 1's measurement
                 self.peak = torch.cuda.max_memory_allocated(self.device)
-            free, _ = torch.cuda.mem_get_info(self.device)
-            self.ceiling = allocator_ceiling(free=free, reserved=torch.cuda.memory_reserved(self.device),
-                                             peak_reserved=torch.cuda.max_memory_reserved(self.device),
-                                             peak_allocated=torch.cuda.max_memory_allocated(self.device))
+            self.ceiling = step_ceiling(self.device)
         target = max(tokens, self.max_tokens or 0)
+        if self.ranks is not None:        # every rank re-plans at the same step, for the same tokens
+            target = self.ranks.max(target)
         if self.plan is None or target > self.plan.tokens:
-            self.plan = self.solve(target)
+            self.plan = self._solve_agreed(target)
             logger.info("fastsft_lab memory plan: %s", self.describe())
 
-    def _measure(self, index: int, kind: str, function: Callable, x: torch.Tensor, params: list, *,
+    def _solve_agreed(self, tokens: int) -> Plan:
+        """:meth:`solve`, on a sharded model over several ranks the plan every rank takes (:mod:`.ranks`)."""
+        if self.ranks is None:
+            return self.solve(tokens)
+        problem, budget = self.ranks.agree(self.problem(tokens), self.reachable())
+        return solve(budget=budget, **problem)
+
+    def _measure(self, index: int, kind: str, function: Callable, x: torch.Tensor, *,
                  reset_peak: bool = True) -> LayerCost:
         from .checkpoint import _private_collector
 
         devices = [self.device] if self.device.type == "cuda" else []
         layer = self.layers[index]()
-        resident = [*layer.parameters(), *layer.buffers()] if layer is not None else []
-        with torch.random.fork_rng(devices=devices), _private_collector():
+        # under FSDP2 the layer's weights gathered for the measurement (its parameters are then the gathered ones)
+        with torch.random.fork_rng(devices=devices), _private_collector(), unsharded(layer):
+            resident = [*layer.parameters(), *layer.buffers()] if layer is not None else []
+            params = [p for p in resident if p.requires_grad]
             cost = self.costs[kind] = measure_layer(function, x, params, kind=kind, buffers=self.buffers,
                                                     forward_peaks=reset_peak,
                                                     resident=resident)
@@ -523,9 +500,12 @@ class MemoryPlanner:
         in its recompute -- before the step goes on."""
         worst = max(c.held["keep"] for c in self.costs.values())
         floor = (self.static if self.device.type == "cuda" else self.fixed_cpu) + self.allowance + self.staging + worst
+        ranks = "" if self.ranks is None else " on one of the ranks"
+        if self.ranks is not None:   # every rank stops here when one must (the others would wait for it)
+            floor = self.ranks.max(floor - self.budget) + self.budget
         if floor > self.budget:
             raise BudgetError(f"memory_budget {_size(self.budget)} is below the smallest plan's peak (at least "
-                              f"{_size(floor)} at {self.tokens} tokens, every layer offloaded): give at least "
+                              f"{_size(floor)} at {self.tokens} tokens{ranks}, every layer offloaded): give at least "
                               f"{_size(floor)}")
 
     def base(self, tokens: int) -> int:
@@ -563,9 +543,11 @@ class MemoryPlanner:
 
     def solve(self, tokens: int, budget: int | None = None) -> Plan:
         """The plan for ``tokens`` tokens under ``budget`` bytes (default: this planner's budget)."""
-        if budget is None:
-            budget = self.budget if self.ceiling is None else min(self.budget, self.ceiling)
-        return solve(budget=budget, **self.problem(tokens))
+        return solve(budget=self.reachable() if budget is None else budget, **self.problem(tokens))
+
+    def reachable(self) -> int:
+        """The budget a plan is solved under: the budget, or the allocator's ceiling where lower (CUDA)."""
+        return self.budget if self.ceiling is None else min(self.budget, self.ceiling)
 
     def problem(self, tokens: int) -> dict:
         """What :func:`solve` (and :func:`ranked`, :func:`predict`) take at ``tokens`` tokens, but the budget: the
@@ -601,7 +583,11 @@ class MemoryPlanner:
         if self.ceiling is not None and self.ceiling < self.budget and not self.plan.by_hand:
             capped = (f" (solved under {_size(self.ceiling)}: the memory this process can reach less the "
                       f"allocator's slack at step 1)")
-        return f"budget {_size(self.budget)}{capped}: {self.plan.describe()}{unified}" + self.why()
+        agreed = ""
+        if self.ranks is not None and not self.plan.by_hand:
+            agreed = (f" (one plan for {self.ranks.world} ranks: each layer's costs and each phase's base the most "
+                      f"any rank measured, at the largest rank's tokens, under the smallest budget)")
+        return f"budget {_size(self.budget)}{capped}{agreed}: {self.plan.describe()}{unified}" + self.why()
 
     def why(self) -> str:
         """What each choice costs one layer of each kind at the plan's tokens, as measured: the reasons for the plan
@@ -645,11 +631,10 @@ def layer_kinds(model: nn.Module) -> list[str]:
             for i, layer in enumerate(layers)]
 
 
-def check_not_sharded(model: nn.Module) -> None:
-    """One line refusing FSDP2: the plan measures and holds whole layers, FSDP2 shards them."""
-    if is_fsdp2(base_model(model)) or any(is_fsdp2(m) for m in decoder_layers(model)):
-        raise NotImplementedError("memory_budget under FSDP2 is not supported (the plan measures unsharded layers): "
-                                  "use offload_buffers=2")
+def check_plan_sharding(model: nn.Module) -> None:
+    """One line refusing FSDP2 inside a decoder layer (:func:`fastsft_lab.offload.ranks.check_sharding`); FSDP2 per
+    decoder layer and at the root is planned per rank, the ranks agreeing on one plan (:mod:`.ranks`)."""
+    check_sharding(decoder_layers(model))
 
 
 def check_budget_floor(model: nn.Module, budget_bytes: int) -> None:
@@ -658,7 +643,7 @@ def check_budget_floor(model: nn.Module, budget_bytes: int) -> None:
     device = resolve_device(model_device(model))
     key = base_model(model)
     held = (torch.cuda.memory_allocated(device) if device.type == "cuda"
-            else _tensor_bytes(key.parameters()) + _tensor_bytes(key.buffers()))
+            else held_bytes(key.parameters()) + held_bytes(key.buffers()))
     if held > budget_bytes:
         raise BudgetError(f"memory_budget {_size(budget_bytes)} is below what the model already holds "
                           f"({_size(held)}): give more than {_size(held)}")
@@ -703,7 +688,7 @@ def validate(model: nn.Module, value, options: dict) -> PlanSettings:
         raise ValueError(f"offload_buffers must be 0 (standard checkpointing), 1 or 2, got {buffers!r}")
     buffers = buffers or 2
     prefetch = check_buffers(buffers, options.get("prefetch"))
-    check_not_sharded(model)
+    check_plan_sharding(model)
     check_checkpointing_layers(model)
     budget = budget_bytes(value, resolve_device(model_device(model)))
     check_budget_floor(model, budget)
@@ -734,8 +719,7 @@ def enable(model: nn.Module, settings: PlanSettings) -> None:
                             buffers=settings.buffers, max_tokens=settings.max_tokens,
                             optimizer_bytes_per_param=settings.optimizer_bytes_per_param,
                             layers=[weakref.ref(layer) for layer in layers], unified=unified_memory(device),
-                            fixed_cpu=_tensor_bytes(key.parameters()) + _tensor_bytes(key.buffers()),
-                            offloading=offloading)
+                            fixed_cpu=model_bytes(key, layers), root=weakref.ref(key), offloading=offloading)
     planner.saved = SavedOffload(device, prefetch=offloading.manager.prefetch, streams=offloading.manager.ops)
     planner.functions = [planner.layer_func(i) for i in range(len(layers))]
     log = changes(model, PLAN)
@@ -752,7 +736,8 @@ def enable_memory_plan(model: nn.Module, budget, *, buffers: int = 2, prefetch: 
     """Switch a per-layer checkpointing plan for ``budget`` on (see the module docstring); returns its planner.
 
     Args:
-        budget: GiB (``80``) or a share of the device's free memory (``"90%"``) beyond what is allocated now.
+        budget: GiB (``80``) or, on a GPU, a share of its free memory (``"90%"``) beyond what is allocated now;
+            each rank's under DDP and FSDP2 (:mod:`.ranks`).
         buffers, prefetch: the staging buffers of the layers the plan offloads (:func:`enable_offloaded_checkpointing`).
         max_tokens: the largest batch the collator emits: plan for it from step 2 on (default: the largest seen).
         optimizer_bytes_per_param: optimizer state per trainable parameter not allocated yet at step 1.
@@ -790,6 +775,8 @@ def memory_planner(model: nn.Module) -> MemoryPlanner | None:
 
 
 __all__ = ["CHOICES", "saved_ops", "SAVED_OPS", "LayerCost", "Plan", "BudgetError", "MemoryPlanner", "measure_layer",
-           "solve", "predict", "selective_checkpoint", "full_checkpoint", "parse_budget", "budget_bytes",
-           "allocator_ceiling", "check_budget_floor", "BUDGET", "PlanSettings", "enable_memory_plan", "disable_memory_plan", "memory_planner",
+           "solve", "predict", "selective_checkpoint", "full_checkpoint", "parse_budget", "budget_bytes", "device_memory",
+           "allocator_ceiling", "AllocatorCounters", "allocator_counters", "release_cached_blocks", "step_ceiling",
+           "check_budget_floor", "check_plan_sharding", "BUDGET", "PlanSettings", "enable_memory_plan",
+           "disable_memory_plan", "memory_planner",
            "set_plan", "layer_kinds"]

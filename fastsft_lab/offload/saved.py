@@ -44,6 +44,7 @@ import itertools
 import threading
 import weakref
 from dataclasses import dataclass
+from typing import Any, Callable, Container
 
 import torch
 
@@ -100,6 +101,21 @@ class _Group:
         self.state = "host"              # "host" -> "loading" (H2D issued) -> "ready" (compute waited for it)
 
 
+class _Lazy:
+    """A set of storage pointers made on the first membership test."""
+
+    __slots__ = ("make", "got")
+
+    def __init__(self, make: Callable[[], set[int]]):
+        self.make: Callable[[], set[int]] = make
+        self.got: set[int] | None = None
+
+    def __contains__(self, ptr: int) -> bool:
+        if self.got is None:
+            self.got = self.make()
+        return ptr in self.got
+
+
 def _whole_storage(t: torch.Tensor) -> bool:
     """``t`` covers its storage exactly (dense, no offset): its strides can be allocated as they are."""
     return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
@@ -131,9 +147,12 @@ class SavedOffload:
         self._storing: list[tuple[int, list]] = []
 
     @contextlib.contextmanager
-    def layer(self, index: int, exclude: set[int]):
+    def layer(self, index: int, exclude: Any):
         """Offload what autograd saves inside the block (one layer call); ``exclude``: storage pointers to leave
-        on the device (the layer's parameters and buffers)."""
+        on the device (the layer's parameters and buffers), or a function giving them, called at the first saved
+        tensor (where they are known only inside the layer's forward: FSDP2 gathers the weights there)."""
+        if callable(exclude):
+            exclude = _Lazy(exclude)
         group = _Group(next(self._seq), index)
         with self._lock:
             self._waiting[group.seq] = weakref.ref(group, functools.partial(self._forget, group.seq))
@@ -177,7 +196,7 @@ class SavedOffload:
             self._waiting.pop(seq, None)
 
     # -- forward ---------------------------------------------------------------------------------------------------
-    def _pack(self, group: _Group, exclude: set[int], t: torch.Tensor):
+    def _pack(self, group: _Group, exclude: Container[int], t: torch.Tensor):
         if (t.device != self.device or t.layout != torch.strided or t.numel() * t.element_size() < self.min_bytes
                 or t.untyped_storage().data_ptr() in exclude):
             self.stats.kept += 1

@@ -7,10 +7,11 @@ layer's checkpoint function. The memory plan offloads through the same two calls
 :func:`checkpoint_layers`). The functions below are the finer controls; each returns
 :func:`fastsft_lab.model_state.state` of the model after the change.
 
-Use with TRL/Trainer: leave ``gradient_checkpointing=False`` in the trainer arguments (the trainer would call
-``model.gradient_checkpointing_enable()`` and overwrite the layer functions) and switch offload on yourself. Where
-something does overwrite them, :func:`state` reports the model's own checkpointing and the next forward warns once
-(:func:`displaced_layers`); ``apply`` again puts the offload back.
+Use with TRL/Trainer: while it is on, the model's ``gradient_checkpointing_enable()`` / ``_disable()`` (which the
+Trainer calls for ``gradient_checkpointing=True``, TRL's default) leave the layers as they are and warn once
+(:mod:`.guard`), so the trainer's flag may stay at its default. Where something else overwrites the layer functions,
+:func:`state` reports the model's own checkpointing and the next forward warns once (:func:`displaced_layers`);
+``apply`` again puts the offload back.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..model_state import ModelState, state
 from ..restore import Changes, Optimization, changes, is_on, log_of, record, undo
 from ..structure import base_model, decoder_layers, model_device
 from .checkpoint import LayerCheckpointFunc
+from .guard import guard
 from .manager import OffloadManager
 from .pool import PinnedPool
 from .streams import StreamOps
@@ -117,22 +119,22 @@ def _watch(log: Changes, model: nn.Module, layers: int) -> None:
         if n:
             warned.append(True)
             warnings.warn(f"fastsft_lab: {n} of {layers} decoder layers no longer run its "
-                          "checkpointing (offload / memory plan): model.gradient_checkpointing_enable() or _disable() "
-                          "replaced it after apply() -- transformers' Trainer does so for gradient_checkpointing=True, "
-                          "TRL's default. Pass gradient_checkpointing=False to the trainer, or apply() again after it",
-                          stacklevel=2)
+                          "checkpointing (offload / memory plan): something replaced their checkpoint functions after "
+                          "apply() (the model's gradient_checkpointing_enable() and _disable() are kept from it while "
+                          "it is on); apply() again puts it back", stacklevel=2)
         return None
 
     log.hook(key.register_forward_pre_hook(check, with_kwargs=True))
 
 
 def checkpoint_layers(log: Changes, model: nn.Module, functions: list[Callable]) -> None:
-    """Give decoder layer ``i`` the checkpoint function ``functions[i]`` (checkpointing on), through ``log``, and
-    watch for a framework call replacing them."""
+    """Give decoder layer ``i`` the checkpoint function ``functions[i]`` (checkpointing on), through ``log``; keep the
+    model's own checkpointing methods from replacing them (:mod:`.guard`), and watch for anything else that does."""
     layers = decoder_layers(model)
     for layer, fn in zip(layers, functions):
         log.set(layer, "gradient_checkpointing", True)
         log.set(layer, CHECKPOINT_FUNCTION, fn)
+    guard(log, model)           # the Trainer's gradient_checkpointing_enable() leaves them (guard.py)
     _watch(log, model, len(layers))
 
 

@@ -1,5 +1,7 @@
-"""The launch recipes run as the README writes them: TRL's SFTTrainer with every switch on, two processes on the
-CPU through accelerate (DDP on gloo) and through torchrun, each reading the world size inside the workers."""
+"""The launch recipes run as the README writes them: TRL's SFTTrainer with every switch on and a memory budget, two
+processes on the CPU through accelerate (DDP on gloo) and through torchrun, each reading the world size inside the
+workers. (accelerate runs FSDP on accelerators only -- on a CPU it launches MULTI_CPU, DDP -- so the FSDP2 recipe's
+plan is checked on the CPU by ``fastsft_lab.lab.distributed``'s fsdp2 plan cases, tests/distributed/test_distributed.py.)"""
 
 from __future__ import annotations
 
@@ -44,6 +46,9 @@ def test_sft_recipe_on_two_processes_through_accelerate_and_torchrun(tmp_path):
         assert doc["world_size"] == 2 and doc["steps"] == 2                   # two ranks, read inside the workers
         assert len(doc["losses"]) == 2 and all(math.isfinite(x) and x > 0 for x in doc["losses"])
         assert "offload_buffers=2" in doc["state"] and "fused_loss=True" in doc["state"]
+        # the budget's plan measured at step 1 and solved at step 2 on each rank, and still on after train()
+        assert "checkpointing='plan'" in doc["state_after"] and "measuring" not in doc["state_after"]
+        assert len(doc["plans"]) == 2 and all(p and len(p) == 3 for p in doc["plans"])
     assert accel["losses"] == torchrun["losses"]        # the same processes and data, whichever launcher
 
 

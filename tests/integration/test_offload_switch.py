@@ -80,9 +80,10 @@ def test_bad_configuration_errors():
 @pytest.mark.parametrize("switch", [{"offload_buffers": 2}, {"memory_budget": 16}], ids=["offload", "plan"])
 @pytest.mark.parametrize("replace", ["enable", "disable"])
 def test_checkpointing_replaced_after_apply_is_reported_and_warned_once(switch, replace):
-    """transformers' Trainer calls model.gradient_checkpointing_enable() for gradient_checkpointing=True (TRL's
-    default) and overwrites every layer's function: nothing is offloaded any more. state() must say what runs, the
-    next training forward warns once, and apply() again puts the offload back."""
+    """Something that overwrites every layer's function after apply (transformers' own gradient_checkpointing_enable
+    or _disable run from the class, past the guard that keeps the model's methods from it: tests/integration/test_plan_trainer.py):
+    nothing is offloaded any more. state() must say what runs, the next training forward warns once, and apply() again
+    puts the offload back."""
     import warnings
 
     import fastsft_lab
@@ -93,10 +94,11 @@ def test_checkpointing_replaced_after_apply_is_reported_and_warned_once(switch, 
     try:
         on = fastsft_lab.apply(model, **switch)
         assert on.checkpointing in ("offload", "plan") and O.displaced_layers(model) == 0
+        inner = model.get_base_model()
         if replace == "enable":
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            type(inner).gradient_checkpointing_enable(inner, gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
-            model.gradient_checkpointing_disable()
+            type(inner).gradient_checkpointing_disable(inner)
         now = fastsft_lab.state(model)
         assert O.displaced_layers(model) == 2
         assert now.checkpointing == ("standard" if replace == "enable" else "none")

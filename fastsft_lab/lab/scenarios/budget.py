@@ -6,7 +6,9 @@ The plan's costs are measured once per token count (``apply(memory_budget=...)``
 layer under each choice, and the peak of a step with every layer offloaded); each budget's plan is then solved from
 those costs (:func:`fastsft_lab.offload.solver.solve`, what ``apply`` solves) and run as a fixed plan, interleaved with
 the references. Every row has the plan's *predicted* peak beside the measured one (CUDA), so the cost model is
-checked where it is used.
+checked where it is used, and its MFU: the model FLOPs of the step as the model trains them (a frozen base's forward
+and input gradients, the adapters', attention over the real segments, the LM head; ``config.model_flops_per_step``)
+over the card's dense bf16 peak.
 
 GPU default: Qwen3-14B, all 40 layers, NF4 + LoRA r16, the README recipe's floor (cached varlen, fused loss, fused
 LoRA, autocast bf16), 8192 and 16384 tokens, 5 budgets. Smoke (CPU): tiny-qwen3, seconds; a CPU has no peak
@@ -28,7 +30,8 @@ from ...offload import plan as P
 from ...offload.pool import host_memory_available
 from ...offload.solver import predictor
 from ...packing import packed_inputs
-from ..harness import Variant, format_derived, format_table, make_result, run_variants, with_autocast, write_json
+from ..harness import (Variant, add_throughput, format_derived, format_table, make_result, run_variants,
+                       with_autocast, write_json)
 from ..scenario import OptionError, Scenario, option
 
 
@@ -317,11 +320,17 @@ class BudgetScenario(Scenario):
                                      opts.autocast)
             rows = run_variants(model, batches, variants, steps=opts.steps, warmup=opts.warmup,
                                 progress=progress, label=f"budget {tokens}")
+            # MFU as the model trains: a frozen base's weight gradients are not FLOPs of this step, its adapters' are
+            flops = add_throughput(rows, model, batches, model_flops=True)
             config = {"model": opts.preset, "num_layers": opts.num_layers or model.config.num_hidden_layers,
                       "quant": opts.quant, "lora_rank": opts.lora_rank, "floor": floor, "autocast": opts.autocast,
                       "kernels": opts.kernels, **extra, "batches": opts.batches, "search": opts.search,
                       "tokens_per_step": tokens, "row_tokens": opts.row_tokens, "steps": opts.steps,
-                      "warmup": opts.warmup, "predicted_smallest_peak_bytes": base,
+                      "warmup": opts.warmup, "model_flops_per_step": flops,
+                      "flops_counted": "model FLOPs of a step (mfu, flops_per_step): the frozen base's forward and "
+                                       "input gradients, the adapters' forward and gradients, causal attention over "
+                                       "the real segments, the LM head; no recompute",
+                      "predicted_smallest_peak_bytes": base,
                       "predicted_keep_all_peak_bytes": keep_all,
                       "smallest_peak_by_phase_bytes": {"forward": problem["forward_base"],
                                                         "loss": problem["loss_base"], "backward": problem["base"]},
