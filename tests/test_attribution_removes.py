@@ -64,6 +64,9 @@ def test_a_step_that_moved_less_than_the_noise_is_about_even():
     r = removed(_profile(compute=100.0, idle=100.0), _profile(compute=90.0, idle=109.5))
     assert r["kind"] is None and r["short"] == "about even"
     assert r["label"] == "about even (-0.5 ms): compute-bound kernels -10.0 ms, idle +9.5 ms"
+    # a step over the noise whose parts each moved under it: the one that moved most is named
+    r = removed(_profile(compute=100.0, memory=50.0, idle=50.0), _profile(compute=101.5, memory=51.0, idle=50.0))
+    assert r["label"] == "slower (+2.5 ms), more compute: compute-bound kernels +1.5 ms"
 
 
 @settings(max_examples=200, deadline=None)

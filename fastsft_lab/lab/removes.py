@@ -31,8 +31,8 @@ def removed(before: dict, after: dict) -> dict:
     (:func:`.harness.profile_variant`). Per part (:data:`PARTS`) the change in ms -- they sum to the change of the
     profiled step, ``step_ms`` being busy + idle -- and per kind (:data:`KINDS`). The label names the kind whose
     time fell most (where the step got faster), then every part that moved by more than :data:`NOISE_SHARE` of the
-    step before, largest fall first; where the step's time rose it says so and names the kind that grew most; where
-    the step moved less than that, "about even"."""
+    step before (at least the one that moved most in the step's direction), largest fall first; where the step's
+    time rose it says so and names the kind that grew most; where the step moved less than that, "about even"."""
     b, a = _parts(before), _parts(after)
     deltas = {p: a[p] - b[p] for p in PARTS}
     step = sum(deltas.values())
@@ -40,8 +40,9 @@ def removed(before: dict, after: dict) -> dict:
     floor = max(NOISE_MS, NOISE_SHARE * sum(b.values()))
     faster = step < 0
     kind = min(kinds, key=lambda k: kinds[k]) if faster else max(kinds, key=lambda k: kinds[k])   # the most moved
-    moved = sorted((p for p in PARTS if abs(deltas[p]) >= floor), key=lambda p: deltas[p] if faster else -deltas[p])
-    parts = ", ".join(f"{PART_NAMES[p]} {deltas[p]:+.1f} ms" for p in moved) or f"no part moved {floor:.1f} ms"
+    order = sorted(PARTS, key=lambda p: deltas[p] if faster else -deltas[p])       # the step's direction first
+    moved = [p for p in order if abs(deltas[p]) >= floor] or order[:1]              # at least the one that moved most
+    parts = ", ".join(f"{PART_NAMES[p]} {deltas[p]:+.1f} ms" for p in moved)
     named: str | None = kind
     if abs(step) < floor:
         label, short, named = f"about even ({step:+.1f} ms): {parts}", "about even", None
