@@ -198,7 +198,9 @@ def plot_waterfall(result: dict):
     ax.set_title(f"{what}: {cfg.get('model')} x{cfg.get('num_layers')} layers | {cfg.get('tokens_per_step')} "
                  f"tokens/step | kernels {cfg.get('kernels')} | autocast {cfg.get('autocast', 'none')} | "
                  f"{_where(result)}" + (f"\nfailed, not drawn: {', '.join(missing)}" if missing else "")
-                 + ("\neach bar's label: what it removed, measured (one profiled step each)" if measured else
+                 + ("\neach bar's label: what it removed, measured (one profiled step each"
+                    + ("; on a CPU the profiled step's ms, not the bar's)" if result.get("env", {}).get("device") == "cpu"
+                       else ")") if measured else
                     "\nwhat each bar removes: not profiled in this run" if chain else ""), fontsize=9)
     fig.tight_layout()
     return fig
