@@ -26,7 +26,7 @@
 # stage so that a call cut short at its limit still returns what the finished stages measured.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-RUN=${RUN:-h200-$(date -u +%Y-%m-%d)}
+RUN=${RUN:-h200-$(date -u +%Y-%m-%d)}; export RUN   # run_notebooks.py names it in each notebook's first cell
 R=benchmarks/results/$RUN
 mkdir -p "$R/logs"
 if [ -d .whl ]; then

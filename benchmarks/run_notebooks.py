@@ -11,6 +11,7 @@ committed results alone (their source must say "committed"), after a run that ch
 first markdown cell should say which cells were redrawn.
 """
 import os
+import re
 import sys
 import time
 
@@ -47,6 +48,29 @@ def redraw(path: str, indices: list[int]) -> int:
     return 0
 
 
+# the environment line every notebook prints (fastsft_lab.env.describe()) and the first cell's origin paragraph
+_ENV_LINE = re.compile(r"^GPU (?P<gpu>.+?) \| torch (?P<torch>\S+) \| transformers (?P<tf>\S+) \|.*\| smoke=False \| "
+                       r"(?P<date>\d{4}-\d\d-\d\d)", re.M)
+_ORIGIN = re.compile(r"\*\*The outputs below\*\*.*?(?=\n\n|$)", re.S)
+
+
+def state_origin(nb) -> str | None:
+    """After a GPU run (``SMOKE=0``), the first cell's "**The outputs below** ..." paragraph says so: the card, the
+    versions and the date its environment line printed, and the run (``$RUN``). Returns the new paragraph, or None
+    where the run was a smoke run (the paragraph the source carries stays)."""
+    printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+                      if isinstance(o.get("text", ""), str))
+    m = _ENV_LINE.search(printed)
+    if not m or not nb.cells or nb.cells[0].cell_type != "markdown" or not _ORIGIN.search(nb.cells[0].source):
+        return None
+    run = f", run `{os.environ['RUN']}`" if os.environ.get("RUN") else ""
+    said = (f"**The outputs below** come from one run on an {m['gpu']} (`SMOKE=0`, torch {m['torch']}, transformers "
+            f"{m['tf']}{run}, {m['date']}): every cell executed there, top to bottom. CI re-runs every cell in smoke "
+            "mode (nbval, lax: the outputs are not compared).")
+    nb.cells[0].source = _ORIGIN.sub(lambda _: said, nb.cells[0].source, count=1)
+    return said
+
+
 def _stamp(path: str) -> str:
     minutes = stamp(path)
     return f"reading time {minutes} min" + (f" (over the {BUDGET_MIN}-minute budget)" if minutes > BUDGET_MIN else "")
@@ -74,6 +98,7 @@ for path in sys.argv[1:]:
     except CellExecutionError as e:
         status = 1
         print(f"[FAIL] {path} after {time.time() - t:.0f}s: {str(e)[:3000]}", flush=True)
+    origin = state_origin(nb)
     nbformat.write(nb, path)
-    print(f"     {path}: {_stamp(path)}", flush=True)
+    print(f"     {path}: {_stamp(path)}" + (f"; first cell: {origin}" if origin else ""), flush=True)
 sys.exit(status)

@@ -6,7 +6,9 @@ of :func:`module_categories` (forward pre/post hooks: :class:`ScopeLabels`). The
 
 * **Its launching op.** On a GPU each device activity (kernel, memcpy, memset) carries the correlation id of the op
   that launched it (``linked_correlation_id`` of the device event == ``id`` of the op; read from kineto's raw events,
-  :func:`device_events`, since torch < 2.13's ``FunctionEvent`` drops it). On a CPU there is no device: the "kernels"
+  :func:`~fastsft_lab.profile_events.device_events`, since torch < 2.13's ``FunctionEvent`` drops it); the host
+  events come from kineto's records too (:func:`~fastsft_lab.profile_events.host_events`: torch's own
+  ``profile.events()`` costs several times the rest of the analysis). On a CPU there is no device: the "kernels"
   are the host ops that do work -- each op's own time (its span minus its children's), views, allocations and
   dispatch-only composites (:data:`NOT_KERNELS`) left out.
 * **Its scope** (:meth:`EventIndex.where`): from the op, up the op stack (``cpu_parent``) to the innermost scope range,
@@ -38,15 +40,14 @@ step timed without it (``idle = unprofiled step - busy``).
 from __future__ import annotations
 
 import contextlib
-import re
 from collections import defaultdict
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import AbstractSet, Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
+from .profile_events import _RUNTIME, HostEvent, _input_dtypes, device_events, host_events
 from .structure import base_model, decoder_layers
 from .roofline import BOUNDS, Peaks, classify, device_peaks, op_bytes, op_flops, precision
 
@@ -67,7 +68,6 @@ WORK = tuple(k for k in CATEGORIES if k != "idle")
 LABEL_PREFIX = "fastsft.scope["           # scope ranges: "fastsft.scope[<category>] <module path>"
 STEP_LABEL = "fastsft.step"
 OFFLOAD_OPS = ("_OffloadedLayer",)        # offloaded checkpointing's autograd function: its own work is copies
-_RUNTIME = re.compile(r"^cu(da)?[A-Z]")    # CUDA runtime / driver calls: cudaLaunchKernel, cuLaunchKernelEx, ...
 # CPU ops that are not kernels: views, allocations, and composites that only dispatch to the ops below them
 NOT_KERNELS = frozenset(f"aten::{n}" for n in (
     "view", "reshape", "_reshape_alias", "_unsafe_view", "as_strided", "t", "transpose", "permute", "expand",
@@ -334,34 +334,6 @@ class EventIndex:
 
 
 # --- kernels --------------------------------------------------------------------------------------------------------
-def device_events(prof) -> list:
-    """The device activities of a finished ``torch.profiler.profile``, each with the ``linked_correlation_id`` of the
-    op that launched it, read from kineto's own events: the ``FunctionEvent`` of torch < 2.13 drops that id. Times
-    are microseconds from the trace start, as ``FunctionEvent.time_range``."""
-    results = prof.profiler.kineto_results
-    t0 = results.trace_start_ns() if hasattr(results, "trace_start_ns") else results.trace_start_us() * 1000
-    out = []
-    for k in results.events():
-        if k.device_type() == torch.autograd.DeviceType.CPU:
-            continue
-        note = k.is_user_annotation() if hasattr(k, "is_user_annotation") else False
-        out.append(SimpleNamespace(name=k.name(), device_type=k.device_type(), is_async=False,
-                                   linked_correlation_id=k.linked_correlation_id(), is_user_annotation=note,
-                                   activity_type=None, time_range=SimpleNamespace(start=(k.start_ns() - t0) / 1e3,
-                                                                                  end=(k.end_ns() - t0) / 1e3)))
-    return out
-
-
-def _input_dtypes(prof) -> dict[int, list]:
-    """``{op id: input dtypes}`` from kineto's events (``FunctionEvent.input_dtypes`` is missing before torch 2.13)."""
-    out = {}
-    for k in prof.profiler.kineto_results.events():
-        if k.device_type() == torch.autograd.DeviceType.CPU and not _RUNTIME.match(k.name()):
-            with contextlib.suppress(AttributeError, RuntimeError):
-                out[k.correlation_id()] = list(k.dtypes())
-    return out
-
-
 def is_device_work(evt, annotations: AbstractSet = frozenset()) -> bool:
     """A kernel, memcpy or memset: not the device-side copy of a ``record_function`` range (kineto's
     ``gpu_user_annotation``), nor a synchronization record."""
@@ -414,11 +386,22 @@ class Kernel:
         return self.end - self.start
 
 
-def kernels_of(prof, layers: dict[str, int] | None = None, *, cuda: bool) -> tuple[list[Kernel], list]:
-    """Every unit of work of a finished profile as a :class:`Kernel` (unclassified), and the profile's events."""
-    events = list(prof.events())
+def kernels_of(prof, layers: dict[str, int] | None = None, *, cuda: bool,
+               events: Sequence | None = None) -> tuple[list[Kernel], list]:
+    """Every unit of work of a finished profile as a :class:`Kernel` (unclassified), and the profile's host events
+    (:func:`host_events`; ``events``: others, e.g. torch's own ``profile.events()``)."""
+    events = host_events(prof) if events is None else list(events)
     index = EventIndex(events, layers)
-    dtypes = _input_dtypes(prof)
+    dtypes: dict[int, list] | None = None
+
+    def dtypes_of(op) -> list:
+        nonlocal dtypes
+        found = getattr(op, "input_dtypes", None)
+        if found is not None:
+            return list(found)
+        if dtypes is None:
+            dtypes = _input_dtypes(prof)
+        return dtypes.get(op.id, [])
     device_type = "cuda" if cuda else "cpu"
     sizes: dict[int, tuple] = {}
 
@@ -426,7 +409,7 @@ def kernels_of(prof, layers: dict[str, int] | None = None, *, cuda: bool) -> tup
         key = id(op)
         if key not in sizes:
             shapes = list(getattr(op, "structured_input_shapes", None) or getattr(op, "input_shapes", None) or [])
-            types = list(getattr(op, "input_dtypes", None) or dtypes.get(op.id, []))
+            types = dtypes_of(op)
             concrete = list(getattr(op, "concrete_inputs", None) or [])
             first = next((d for d in types if d in ("c10::BFloat16", "c10::Half", "float", "double")), None)
             sizes[key] = (op_flops(op.name, shapes, concrete, getattr(op, "flops", 0) or 0),
@@ -706,6 +689,7 @@ def profile_step(run: Callable[[], Any], *, model: nn.Module | None, device: tor
 
 
 __all__ = ["CATEGORIES", "WORK", "LABEL_PREFIX", "STEP_LABEL", "NOT_KERNELS", "label", "module_categories",
-           "layer_paths", "ScopeLabels", "Where", "EventIndex", "device_events", "is_device_work", "self_intervals",
+           "layer_paths", "ScopeLabels", "Where", "EventIndex", "HostEvent", "host_events", "device_events",
+           "is_device_work", "self_intervals",
            "is_cpu_kernel", "Kernel", "kernels_of", "classify_kernels", "union_us", "split_window", "gaps",
            "StepProfile", "StepRecorder", "profile_of", "profile_step"]

@@ -441,6 +441,17 @@ MUTATIONS = [
     Mutation("chain-keeps-grouped-once", "fastsft_lab/lab/results.py",
              "return [n for n in doc[\"config\"][\"chain\"] if n not in NOT_IN_CHAIN]",
              "return list(doc[\"config\"][\"chain\"])", (T("test_results.py"), "-k", "attribution")),
+    Mutation("host-events-duplicate-nodes-kept", "fastsft_lab/profile_events.py",
+             "if id(e) in gone or parent is None or parent.name != e.name or len(parent.cpu_children) != 1:",
+             "if True:", (T("test_host_events.py"),)),
+    Mutation("removes-labelled-by-the-largest-part", "fastsft_lab/lab/removes.py",
+             "kind = min(kinds, key=lambda k: kinds[k]) if faster else",
+             "kind = max(kinds, key=lambda k: sum(a[p] for p in KINDS[k])) if faster else",
+             (T("test_attribution_removes.py"), "-k", "fell_most")),
+    Mutation("removes-against-the-first-step", "fastsft_lab/lab/removes.py",
+             'out[r["name"]] = removed(prev["profile"], r["profile"])',
+             'out[r["name"]] = removed(rows[0].get("profile", prev["profile"]), r["profile"])',
+             (T("test_attribution_removes.py"), "-k", "step_before")),
 ]
 
 

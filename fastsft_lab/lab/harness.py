@@ -151,11 +151,14 @@ def run_variants(
     check_equal: bool | str = True,
     progress: bool = True,
     label: str = "",
+    profile: bool = False,
 ) -> list[dict]:
     """Run every variant ``warmup + steps`` times, interleaved, on the same batches. Returns one dict each.
 
     ``check_equal``: also one untimed step of each variant at the same weights, its loss and gradients against the
-    first variant's, or against the variant it names (:func:`compare_to_first`, in ``equal_to_first``)."""
+    first variant's, or against the variant it names (:func:`compare_to_first`, in ``equal_to_first``).
+    ``profile``: then one more warm step of each variant under the kernel-level profiler (:func:`profile_variant`,
+    in ``profile``), after every timed step so that the profiler's cost lands in none of them."""
     if not variants:
         raise ValueError("no variants to run")
     if steps < 1:
@@ -259,7 +262,59 @@ def run_variants(
                 entry["host_syncs_error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
                 if optimizer is not None:
                     optimizer.zero_grad(set_to_none=True)
+    if profile:
+        batch = batches[(warmup + steps) % len(batches)]        # the batch the next step would have taken
+        for v, entry in zip(variants, results):
+            if "error" in entry:
+                continue
+            try:
+                entry["profile"] = profile_variant(model, batch, v, mode=mode, optimizer=optimizer,
+                                                   timed_ms=entry["step_ms"]["median"])
+                entry["profile"]["syncs"] = entry.get("host_syncs_per_step")
+            except Exception as e:  # noqa: BLE001 - evidence beside the measurement: record why it did not run
+                entry["profile_error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+                if optimizer is not None:
+                    optimizer.zero_grad(set_to_none=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     return results
+
+
+def profile_variant(model: nn.Module, batch: PackedBatch, variant: Variant, *, mode: str, optimizer,
+                    timed_ms: float | None = None) -> dict:
+    """One warm step of ``variant`` -- the step :func:`run_variants` times: forward, backward and optimizer under the
+    variant's context (its autocast) -- under the kernel-level profiler (:func:`fastsft_lab.step_profile.profile_step`:
+    on a GPU kineto's device activity, each kernel placed by its launching op), as the step's time by what bounds each
+    kernel (:mod:`fastsft_lab.roofline`: its op's FLOPs and bytes against the device's peaks) and idle.
+
+    Returns ``{"step_ms", "ms": {compute, memory, latency, unknown, idle}, "launches", ...}``: ``ms`` sums to
+    ``step_ms`` (the kernels' union split among them, :meth:`~fastsft_lab.step_profile.StepProfile.by_bound`, plus
+    idle). On a GPU idle is re-based on ``timed_ms``, the step timed without the profiler (``idle = timed - busy``, as
+    :func:`fastsft_lab.diagnose` does): the profiler slows the host, not the kernels, so the profiled idle holds its
+    own overhead (kept in ``profiled_idle_ms``). On a CPU idle is host time outside any op, as profiled."""
+    from ..roofline import BOUNDS
+    from ..step_profile import profile_step
+
+    device = batch.input_ids.device
+    timer = PhaseTimer(device)
+    t0 = time.perf_counter()
+    variant.enable(model)
+    try:
+        state = variant.prepare(batch) if variant.prepare else None
+        prof = profile_step(lambda: run_step(model, batch, variant, mode=mode, optimizer=optimizer, timer=timer,
+                                             state=state), model=model, device=device)
+    finally:
+        timer._events.clear()
+        variant.disable(model)
+    bounds = prof.by_bound()
+    busy = sum(bounds.get(b, 0.0) for b in BOUNDS)         # the union of the kernels' intervals, split among them
+    rebased = device.type == "cuda" and timed_ms is not None
+    ms = {b: round(bounds.get(b, 0.0), 3) for b in BOUNDS}
+    ms["idle"] = round(max(0.0, timed_ms - busy) if rebased and timed_ms is not None else bounds["idle"], 3)
+    return {"step_ms": sum(ms.values()), "ms": ms, "launches": round(prof.launches(), 1),
+            "idle_from": "the timed step (idle = timed step - busy)" if rebased else "the profiled step",
+            "profiled_step_ms": round(prof.step_ms, 3), "profiled_idle_ms": round(bounds["idle"], 3),
+            "activity": prof.activity, "peaks": prof.peaks.source, "seconds": round(time.perf_counter() - t0, 2)}
 
 
 def add_throughput(rows: list[dict], model: nn.Module, batches: Sequence[PackedBatch], *, mode: str = "train",
@@ -520,6 +575,7 @@ def format_table(result: dict) -> str:
 
 
 __all__ = ["Variant", "default_inputs", "run_step", "make_optimizer", "run_variants", "count_step_syncs",
+           "profile_variant",
            "compare_to_first",
            "make_result", "write_json", "format_table", "format_derived", "spreads_overlap", "add_throughput", "with_autocast",
            "AUTOCAST"]

@@ -8,6 +8,7 @@ at 1.00x, higher is better, the ratio written on each bar. Memory is in GiB, low
 from __future__ import annotations
 
 import os
+import re
 from typing import Sequence
 
 from .timelines import KIND_COLORS, KIND_LABELS, simulate_schedule, span_ms
@@ -139,8 +140,10 @@ def plot_waterfall(result: dict):
     its ``chain`` (the attribution scenario), in every step of that chain: each bar floats from the speed before it
     to the speed after it (1.00x = the first step), so its height is what that step adds, and its label says what
     changed. The other variants (TRL, the packed path without offload, the ablation: all fast without one fix)
-    stand beside it as plain bars. A step that failed is left out and named in the title. Returns None when
-    nothing ran."""
+    stand beside it as plain bars. A step that failed is left out and named in the title. A chain whose steps were
+    profiled names under each bar's ratio what that step removed, measured (the kind whose time fell most, and by
+    how much: :func:`.removes.chain_removed`); a chain without profiles says "not profiled" in its
+    title. Returns None when nothing ran."""
     plt = _plt()
     rows = {r["name"]: r for r in result["variants"] if "step_ms" in r}
     cfg = result.get("config", {})
@@ -149,10 +152,15 @@ def plot_waterfall(result: dict):
     if first not in rows:
         return None
     base = rows[first]["step_ms"]["median"]
+    measured: dict[str, str] = {}
     if chain:
         from .results import chain_steps
+        from .removes import chain_removed
 
         labels = {n: n for n in chain_steps(result)}
+        if any("profile" in r for r in rows.values()):
+            every = {r["name"]: r for r in result["variants"]}
+            measured = {n: r["short"] for n, r in chain_removed([every.get(n, {"name": n}) for n in labels]).items()}
     else:
         labels = dict(WATERFALL)
         if any(r["name"] == "all naive" and r.get("toggles", {}).get("moe") == "naive" for r in result["variants"]):
@@ -169,8 +177,10 @@ def plot_waterfall(result: dict):
         color = _GREY if prev is None else (_BLUE if speed >= prev else _RED)
         ax.bar(i, height, bottom=low, color=color)
         text = f"{speed:.2f}x" if prev is None else f"{speed:.2f}x ({(speed / prev - 1) * 100:+.0f}%)"
+        if name in measured:             # "host overhead -41.0 ms" in two lines: the kind, then the ms
+            text += "\n" + re.sub(r" ([+-][\d.]+ ms)$", r"\n\1", measured[name])
         ax.annotate(text, (i, max(speed, prev or 0)), xytext=(0, 2), textcoords="offset points", ha="center",
-                    va="bottom", fontsize=7)
+                    va="bottom", fontsize=6.5 if measured else 7)
         prev = speed
     for j, name in enumerate(others):
         speed = base / rows[name]["step_ms"]["median"]
@@ -187,7 +197,11 @@ def plot_waterfall(result: dict):
     what = "where each gain comes from" if chain else "all three together"
     ax.set_title(f"{what}: {cfg.get('model')} x{cfg.get('num_layers')} layers | {cfg.get('tokens_per_step')} "
                  f"tokens/step | kernels {cfg.get('kernels')} | autocast {cfg.get('autocast', 'none')} | "
-                 f"{_where(result)}" + (f"\nfailed, not drawn: {', '.join(missing)}" if missing else ""), fontsize=9)
+                 f"{_where(result)}" + (f"\nfailed, not drawn: {', '.join(missing)}" if missing else "")
+                 + ("\neach bar's label: what it removed, measured (one profiled step each"
+                    + ("; on a CPU the profiled step's ms, not the bar's)" if result.get("env", {}).get("device") == "cpu"
+                       else ")") if measured else
+                    "\nwhat each bar removes: not profiled in this run" if chain else ""), fontsize=9)
     fig.tight_layout()
     return fig
 

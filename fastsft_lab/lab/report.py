@@ -1154,6 +1154,48 @@ def _removes(name: str) -> str:
     return step_removes(name)
 
 
+def profiled(doc: dict) -> bool:
+    """Whether an attribution result profiled its steps (runs before that did not: their labels say so)."""
+    return any("profile" in r for r in doc.get("variants", []))
+
+
+def _chain_rows(doc: dict) -> list[dict]:
+    rows = {r["name"]: r for r in doc["variants"]}
+    return [rows.get(n, {"name": n}) for n in R.chain_steps(doc)]
+
+
+def chain_labels(doc: dict) -> dict[str, str]:
+    """What each step after the first removed, measured (:func:`.removes.chain_removed` over the
+    chain's committed profiles): the label every view prints -- "not profiled" where a step has no profile."""
+    from .removes import chain_removed
+
+    return {name: r["label"] for name, r in chain_removed(_chain_rows(doc)).items()}
+
+
+NOT_PROFILED = "not profiled (a run before the chain profiled its steps: what each step removes is its mechanism only)"
+
+
+def stock_step_text(doc: dict) -> str:
+    """The first step of a chain -- transformers' default, the step the chain starts from -- as its profile measured
+    it: its time by what bounds each kernel and idle, and so the most any host-side (glue) fix can win on it (idle
+    plus latency-bound kernels: what fewer launches and no syncs shorten); "not profiled" for a run without profiles."""
+    first = _chain_rows(doc)[0]
+    where = config_header(doc).split(" | ")[0]
+    prof = first.get("profile")
+    if prof is None:
+        return f"{first['name']} ({where}): not profiled in this run, so its idle time is not measured here"
+    ms, step = prof["ms"], prof["step_ms"]
+    host = ms["idle"] + ms["latency"]
+    idle_is = "the device waiting for the host" if prof["activity"] == "cuda" else "on a CPU: host time outside ops"
+    return (f"{first['name']} ({where}), one profiled warm step: {step:.1f} ms = "
+            + " + ".join(f"{ms[p]:.1f} {p}" for p in ("compute", "memory", "latency", "unknown")
+                         if p != "unknown" or ms.get(p, 0) >= 0.05)
+            + f" (kernels by what bounds them) + {ms['idle']:.1f} idle ({idle_is})\n"
+            f"  idle: {ms['idle'] / step:.0%} of the step; idle + latency-bound kernels: {host:.1f} ms "
+            f"({host / step:.0%}), the most any glue fix (fewer launches, no syncs) can win on this step; the other "
+            f"{step - host:.1f} ms only fewer FLOPs, fewer bytes or faster kernels shorten")
+
+
 def routing_text(doc: dict) -> str:
     """The routing check of an MoE attribution chain (``doc["routing"]``): per MoE step, the tokens its routing sends
     to other experts than the reference's, per layer, and its largest relative difference as run against the same
@@ -1212,7 +1254,11 @@ def attribution_text(doc: dict, only: Sequence[str] | None = None) -> str:
     if routing:
         out.append(routing)
     out.append("  ~: p20-p80 spreads overlap (not told apart); vs ref: loss and gradients against exact packing (ref), "
-               "bitwise or the largest relative difference")
+               "bitwise or the largest relative difference; removes: the mechanism"
+               + ("" if profiled(doc) else f"; measured: {NOT_PROFILED}"))
+    from .removes import measured_lines
+
+    out += measured_lines(_chain_rows(doc), only=only)
     return "\n".join(out)
 
 
@@ -1237,6 +1283,8 @@ def attribution_table(root=None) -> str:
     def cells(doc: dict) -> dict:
         rows = {r["name"]: r for r in doc["variants"]}
         out = chain_ratios(doc)
+        if profiled(doc):                 # each bar's measured label under its ratio
+            out = {name: f"{ratio}<br>{chain_labels(doc)[name]}" for name, ratio in out.items()}
         chain = R.chain_steps(doc)
         first, last = rows.get(chain[0], {}), rows.get(chain[-1], {})
         if "step_ms" in first and "step_ms" in last:
@@ -1248,7 +1296,8 @@ def attribution_table(root=None) -> str:
     floor = {"none": "stock kernels", "liger": "Liger floor"}
     heads = [f"{d['config']['model']} {_depth(d['config'])}, {floor.get(d['config'].get('kernels', 'none'), '?')}"
              for d in docs]
-    out = ["| step (each over the one before) | what it removes | " + " | ".join(heads) + " | published |",
+    out = ["| step (each over the one before) | what it removes (the mechanism) | " + " | ".join(heads)
+           + " | published |",
            "|---" * (len(docs) + 3) + "|"]
     for name in steps[1:]:
         out.append(f"| {name} | {_removes(name)} | " + " | ".join(c.get(name, "") for c in cols)
@@ -1264,8 +1313,16 @@ def attribution_table(root=None) -> str:
                 f"{', '.join(f'`{r}`' for r in sorted({R.run_of(d) for d in older}))} measured the MoE fix as one "
                 "step (\"+ sync-free experts\", over the cached step); their \"grouped once\" row, slower than the "
                 "default, is no step of the chain (notebook 03).")
+    plain = [h for h, d in zip(heads, docs) if not profiled(d)]
+    measured = ("Under each ratio, what that step removed, measured: one profiled warm step per step, its time by "
+                "what bounds each kernel (compute, memory, latency: achieved FLOP/s and bytes/s against the card's "
+                "peaks) and idle, against the step before." if len(plain) < len(docs) else "")
+    if plain:
+        measured += (" What each bar removes is its mechanism only: not profiled (runs before the chain profiled its "
+                     "steps)." if len(plain) == len(docs) else
+                     f" {'; '.join(plain)}: not profiled (a run before the chain profiled its steps).")
     out.append(f"\n{', '.join(map(str, tokens))} tokens per step, autocast {', '.join(autocast)}; ~: the two steps' "
-               f"p20-p80 spreads overlap. Source: {_source(docs)}.{note}")
+               f"p20-p80 spreads overlap. {measured.strip()} Source: {_source(docs)}.{note}")
     return "\n".join(out)
 
 
@@ -1392,7 +1449,8 @@ def write_readme(paths=DOCS) -> str:
     return ", ".join(str(p) for p in paths)
 
 
-__all__ = ["TABLES", "combined_summary", "attribution_text", "attribution_table", "chain_ratios", "routing_text", "PUBLISHED_STEP", "PUBLISHED_GLUE_GAIN", "config_header", "peer_text", "peer_verdict", "frontier_text", "frontier_findings",
+__all__ = ["TABLES", "combined_summary", "attribution_text", "attribution_table", "chain_ratios", "chain_labels",
+           "profiled", "stock_step_text", "NOT_PROFILED", "routing_text", "PUBLISHED_STEP", "PUBLISHED_GLUE_GAIN", "config_header", "peer_text", "peer_verdict", "frontier_text", "frontier_findings",
            "breakdown_text", "loss_curves_text", "moe_runs_text", "experts_layer_text", "LAYER_CHAIN", "LAYER_BESIDE", "experts_profile_text", "offload_derived_text", "offload_overlap_text",
            "offload_vram_text", "offload_sweep_text", "offload_link_text", "packed_configs_text",
            "packed_findings_text", "packed_variants_text", "packed_regime_text", "packed_collated_text", "MOE_DEFAULT", "render", "write_readme", "write_headline_chart", "headline_rows", "headline_table", "README",

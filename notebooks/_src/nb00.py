@@ -15,7 +15,8 @@ install cell says how to give it your copy)
 
 **What you will learn**
 - where each gain of the series comes from: one chain of changes from transformers' default step, each step one
-  change, with what it removes (the later notebooks explain each one);
+  change, with what it removes -- compute, memory bandwidth or host overhead, measured kernel by kernel (the later
+  notebooks explain each one);
 - how to measure a QLoRA training step the way this series does: interleaved steps, median and p20–p80, host syncs
   per step and per decoder layer, peak memory;
 - where the stock step's time goes, by the module that launched each kernel, and how to read a host–GPU timeline;
@@ -65,8 +66,13 @@ globals().update(parameters("00", PROFILE, SMOKE))   # MODEL, TOKENS, MOE_MODEL,
 ("md", r'''
 ## Where each gain comes from, at a glance
 One cumulative chain from transformers' default step, each step one change, interleaved step by step on the same
-batches (`bench --only attribution`): each bar is what that change is worth *here* and nothing else, and the
-`removes` column says what it takes away (compute, host overhead, memory traffic, memory). The packed kernel comes
+batches (`bench --only attribution`): each bar is what that change is worth *here* and nothing else. The `removes`
+column says what it takes away and how (the mechanism); the `measured` lines under the table say what fell: one
+more warm step of each bar under `torch.profiler` (the same batches and autocast, after its timed steps), every
+kernel classified by what bounds it -- its FLOPs and bytes against the card's peaks: **compute**-bound,
+**memory**-bound, or **latency**-bound (near neither peak: too small to fill the GPU, launch-bound) -- not by the
+module that launched it, plus **idle** (the GPU waiting for the host). Each bar names the kind whose time fell most:
+idle and latency-bound kernels are host overhead. The packed kernel comes
 first (with its metadata rebuilt per layer, the "before" of fix 1), then fix 1 (metadata cached), on GPT-OSS fix 3
 in two steps against transformers' default `grouped_mm` experts (sync-free grouping with eager glue, then the fused
 gate/combine kernels), fix 2 (offload with one buffer, then two), the fused loss and the checkpointing plan for a
@@ -79,12 +85,15 @@ changes by O(1). Chains that carry the routing check count those tokens and give
 routing forced (notebook 03 runs the check on any machine; float32 CPU tests are the exactness proof).
 
 A chain committed from a GPU run is shown as committed, the same one the README table and notebooks 03 and 04 read;
-a live chain runs only for a configuration with no committed chain (smoke mode, a smaller GPU).
+a live chain runs only for a configuration with no committed chain (smoke mode, a smaller GPU). Under each chain,
+its first step -- the stock step, under autocast like every bar -- by what bounds it: its idle time and its
+latency-bound kernels are all that any glue fix can win on it; the rest only fewer FLOPs, fewer bytes or faster
+kernels shorten. A committed run from before the chain profiled its steps says "not profiled".
 '''),
 ("code", r'''
 import io
 from fastsft_lab.lab.scenarios import run_scenario
-from fastsft_lab.lab.report import attribution_text
+from fastsft_lab.lab.report import attribution_text, stock_step_text
 
 chains = []
 for model, layers, tokens in ((MODEL, NUM_LAYERS, TOKENS), (MOE_MODEL, MOE_LAYERS, MOE_TOKENS)):
@@ -99,6 +108,7 @@ if SMOKE:   # the same chains on a GPU at full depth, committed (on a GPU they a
     chains += [d for d in (results.attribution_for(m, "none") for m in ("qwen3-14b", "gpt-oss-20b")) if d]
 for doc in chains:
     print(attribution_text(doc) + "\n")
+    print(stock_step_text(doc) + "\n")                    # the stock step's idle: the most a glue fix can win
     fig = plots.plot_waterfall(doc)
     display(fig); plt.close(fig)
 '''),
@@ -150,8 +160,8 @@ opt = make_optimizer(model, lr=1e-6)
 by the module that launched each kernel (`fastsft_lab.lab.breakdown`: attention, dense matmuls, LoRA, the loss,
 norms and elementwise ops, copies, the optimizer) and idle, the device waiting for the host. A category is *who
 launched* the kernels, not *what bounds* them: the LoRA category, for one, holds the casts and additions around its
-small matmuls, memory-bound work. Idle is the share no glue fix can beat: removing host overhead gains at most the
-time the device waits for it. The kernel-level profile of notebook 05 classifies each kernel by what bounds it.
+small matmuls, memory-bound work; what bounds each kernel is the chain's measured view above. Idle is the share a
+glue fix can win back: removing host overhead gains at most the time the device waits for it.
 '''),
 ("code", r'''
 from fastsft_lab.lab.breakdown import breakdown_variant, describe_bottleneck, format_breakdown
@@ -294,8 +304,9 @@ those of the paths people run when that is not what they get:
 3. **MoE glue around the expert matmuls** (notebook 03): against the `grouped_mm` default, which pays no sync, what
    is left is kernels: sync-free grouping with leaner glue, then fused gate/combine kernels.
 
-Each notebook proves its fix changes no numbers before it shows a speedup. Where the profile above shows the device
-idle, host overhead is the bottleneck; where it does not, the next gains are in the kernels.
+Each notebook proves its fix changes no numbers before it shows a speedup. The stock step's idle time and its
+latency-bound kernels (under each chain above) are the ceiling of every glue fix together; where they are small,
+the next gains are in the kernels.
 
 **Further reading.** PyTorch's [profiler recipe](https://pytorch.org/tutorials/recipes/recipes/profiler_recipe.html)
 and [CUDA semantics](https://pytorch.org/docs/stable/notes/cuda.html) (asynchronous execution, what synchronizes);

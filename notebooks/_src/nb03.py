@@ -301,7 +301,8 @@ display(fig); plt.close(fig)
 ### On the GPU (committed results)
 The whole-model steps are the attribution chain's (`bench --only attribution`): the same committed GPT-OSS-20B chain
 notebook 00 and the README show, here its MoE steps, each over the step before (a run before the chain took two MoE
-steps shows them as one). Then one layer's experts at real width from the newest committed `bench --only moe`, and
+steps shows them as one), with what fell where the run profiled its steps: idle and latency-bound kernels (a
+launch-bound host) or the kernels' own compute and memory time. Then one layer's experts at real width from the newest committed `bench --only moe`, and
 where sync-free's GPU time goes (`benchmarks/experts_profile.py`, with every fused kernel on and off, against the
 two grouped matmuls alone); every other configuration is in [docs/results.md](../docs/results.md).
 '''),

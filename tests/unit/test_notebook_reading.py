@@ -69,21 +69,34 @@ def test_stamping_writes_the_minutes_once_after_the_title(tmp_path):
 
 
 # --- one chain per configuration: the README and the notebooks print the committed JSON's ---------------------------
-def _chain_blocks(text: str) -> list[tuple[str, str, dict]]:
+def _chain_blocks(text: str) -> list[tuple[str, str, dict, dict]]:
     """Every chain that :func:`fastsft_lab.lab.report.attribution_text` printed in ``text``: (the configuration, where
-    it comes from, {step: its speed over the step before as printed})."""
+    it comes from, {step: its speed over the step before as printed}, {step: what it removed, measured, as printed}:
+    the lines under the table, or "not profiled" for every step where the legend says so)."""
     blocks, lines = [], text.splitlines()
     for i, line in enumerate(lines):
         if i + 1 < len(lines) and lines[i + 1].lstrip().startswith("step ") and "removes" in lines[i + 1]:
             config, _, where = line.partition(" | ")
-            steps = {}
+            steps, labels, legend = {}, {}, False
             for row in lines[i + 2:]:
-                if not row.startswith("  ") or row.startswith("  ~:"):
+                if legend:                                  # the measured lines after the legend
+                    if row.startswith("  measured"):
+                        continue
+                    if not row.startswith("    "):
+                        break
+                    labels[row[4:40].strip()] = row[41:]
+                    continue
+                if not row.startswith("  "):
                     break
+                if row.startswith("  ~:"):
+                    legend = True
+                    if "measured: not profiled" in row:
+                        labels = {name: "not profiled" for name in steps}
+                    continue
                 name, rest = row[2:38].strip(), row[38:].split()
                 if len(rest) > 2 and rest[1].startswith("["):
                     steps[name] = rest[2]
-            blocks.append((config, where, steps))
+            blocks.append((config, where, steps, labels))
     return blocks
 
 
@@ -100,7 +113,7 @@ def chain_disagreements(docs, texts: dict[str, str], readme: str) -> list[str]:
     want = {report.config_header(d).split(" | ")[0]: (d, report.chain_ratios(d)) for d in docs}
     bad = []
     for name, text in texts.items():
-        for config, where, steps in _chain_blocks(text):
+        for config, where, steps, printed_labels in _chain_blocks(text):
             if config not in want:
                 continue                          # a configuration nothing committed (smoke mode, a smaller GPU)
             doc, ratios = want[config]
@@ -110,6 +123,11 @@ def chain_disagreements(docs, texts: dict[str, str], readme: str) -> list[str]:
             for step, printed in steps.items():
                 if printed != "–" and ratios.get(step) != printed:
                     bad.append(f"{name}: {config}, {step}: {printed}, the committed JSON gives {ratios.get(step)}")
+            labels = report.chain_labels(doc) if report.profiled(doc) else {s: "not profiled" for s in steps}
+            for step, printed in printed_labels.items():
+                if step in labels and labels[step] != printed:
+                    bad.append(f"{name}: {config}, {step}: removes {printed!r}, the committed JSON gives "
+                               f"{labels[step]!r}")
     block = re.search(r"<!-- results:attribution -->\n(.*?)<!-- /results:attribution -->", readme, re.S)
     table = block.group(1) if block else ""
     head = next((line for line in table.splitlines() if line.startswith("| step")), "")
@@ -121,11 +139,15 @@ def chain_disagreements(docs, texts: dict[str, str], readme: str) -> list[str]:
             bad.append(f"README: no column for {col}")
             continue
         j = cols.index(col) + 2
+        labels = report.chain_labels(d) if report.profiled(d) else {}
         for step, ratio in report.chain_ratios(d).items():
             row = next((line for line in table.splitlines() if line.startswith(f"| {step} |")), None)
             cell = [c.strip() for c in row.strip("|").split("|")][j] if row else None
-            if cell != ratio:
-                bad.append(f"README: {col}, {step}: {cell}, the committed JSON gives {ratio}")
+            want_cell = f"{ratio}<br>{labels[step]}" if step in labels else ratio     # each bar's measured label
+            if cell != want_cell:
+                bad.append(f"README: {col}, {step}: {cell}, the committed JSON gives {want_cell}")
+        if not labels and "not profiled" not in table:
+            bad.append(f"README: {col} was not profiled and the table does not say so")
     return bad
 
 

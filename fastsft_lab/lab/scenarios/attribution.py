@@ -21,7 +21,12 @@ Every step starts from what a user runs: fix 3 from transformers' own default ex
 either, so what it can remove is kernels, not syncs); "grouped once" (one sync per layer) is no step of the chain: it
 is slower than that default (a loop of launches per expert; notebook 03 counts them). Fix 2 starts from offload with
 one buffer (the before the published +6.7% is against); the step from standard checkpointing to one-buffer offload
-is what offloading itself costs. :data:`STEP_REMOVES` says what each step removes. The plan's costs are measured once
+is what offloading itself costs. :data:`STEP_REMOVES` says what each step removes and why (the mechanism); the
+measure of it is one profiled warm step per step, after its timed steps (same batches, same autocast:
+:func:`..harness.profile_variant`, in each row's ``profile``): the step's time by what bounds each kernel --
+compute, memory, latency (:mod:`fastsft_lab.roofline`: its op's FLOPs and bytes against the card's peaks, not the
+module that launched it) -- and idle; :func:`..removes.removed` compares a step's profile with the one before it
+and names what fell (``removed`` in each row; :func:`..removes.measured_lines` prints it). The plan's costs are measured once
 before the timed steps (what ``apply(memory_budget=...)`` does on its first two steps) and run as a fixed plan. For MoE
 models the result also carries ``routing``: per MoE step, the routing decisions it flips against the reference in bf16
 and its loss and gradients with the reference's routing forced (:func:`..routing.routing_agreement`). GPU default:
@@ -44,6 +49,7 @@ from ...moe.kernels import set_fused_combine
 from ...offload import plan as P
 from ...packing import packed_inputs
 from ..harness import Variant, make_result, run_variants, with_autocast
+from ..removes import chain_removed, measured_lines
 from ..scenario import OptionError, Scenario, option
 from .budget import calibrate
 from .packed import stock_leak
@@ -53,6 +59,8 @@ from .combined import ModelOptions, _configure, model_builds, validate_models_an
 @dataclasses.dataclass
 class AttributionOptions(ModelOptions):
     budget: float | None = option(80.0, kind="float?", help="GiB for the memory-plan step (none: no such step)")
+    profile: bool = option(True, kind="bool", help="one profiled warm step per chain step after its timed ones "
+                           "(what each step removes, by what bounds its kernels; a few seconds per step)")
 
     @classmethod
     def defaults(cls, device: torch.device, smoke: bool) -> "AttributionOptions":
@@ -233,7 +241,9 @@ class AttributionScenario(Scenario):
         label = f"{preset.name} {tokens} tok, kernels={extra['kernels']}"
         rows = run_variants(model, batches, with_autocast(chain, opts.autocast), steps=opts.steps,
                             warmup=opts.warmup, progress=progress, label=label,
-                            check_equal=f"+ {opts.backend} kernel, metadata per layer")
+                            check_equal=f"+ {opts.backend} kernel, metadata per layer", profile=opts.profile)
+        for name, r in chain_removed(rows).items():
+            next(x for x in rows if x["name"] == name)["removed"] = r
         config = {"model": preset.name, "num_layers": model.config.num_hidden_layers, "tokens_per_step": tokens,
                   "row_tokens": row, "mix": opts.mix, "lora_rank": opts.lora_rank, "packed_backend": opts.backend,
                   "autocast": opts.autocast, "steps": opts.steps, "warmup": opts.warmup,
@@ -245,8 +255,10 @@ class AttributionScenario(Scenario):
         result["derived"] = step_gains(rows)
         if is_moe:
             result["routing"] = _routing(model, batches[0], with_autocast(chain, opts.autocast))
-        return write_waterfall_result(result, out_dir, f"attribution_{preset.name}_L{config['num_layers']}_{tokens}tok_"
-                                      f"{extra['kernels']}", label)
+        result = write_waterfall_result(result, out_dir, f"attribution_{preset.name}_L{config['num_layers']}_"
+                                        f"{tokens}tok_{extra['kernels']}", label)
+        print("\n".join(measured_lines(rows)))
+        return result
 
 
 def _routing(model, batch, chain: list[Variant]) -> dict:
