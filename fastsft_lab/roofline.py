@@ -6,9 +6,10 @@ A kernel that does ``F`` floating-point operations and moves ``B`` bytes takes, 
 
 and a kernel of measured time ``t`` gets one class (:func:`classify`):
 
-    latency   ideal < LATENCY_FRACTION (10%) of t: it comes near neither peak -- too small to fill the device or too
-              short to hide its launch (launch-bound). Fewer, larger kernels (fusion, CUDA graphs) help; faster math
-              or fewer bytes do not.
+    latency   ideal < LATENCY_FRACTION (10%) of t and each kernel shorter than LATENCY_MAX_S (50 us): it comes near
+              neither peak -- too small to fill the device or too short to hide its launch (launch-bound). Fewer,
+              larger kernels (fusion, CUDA graphs) help; faster math or fewer bytes do not. A longer kernel near
+              neither peak is ``unknown``: its estimate is missing or it uses the device badly -- not launch overhead.
     compute   otherwise, where F / peak_flops >= B / peak_bandwidth (arithmetic intensity F / B at or above the
               ridge peak_flops / peak_bandwidth): only fewer FLOPs or faster math help.
     memory    otherwise: bandwidth-bound; only fewer bytes moved (fusion, smaller dtypes) help.
@@ -39,7 +40,9 @@ from typing import Any, Sequence
 
 import torch
 
-LATENCY_FRACTION = 0.10       # below this share of its roofline time a kernel is latency-bound
+LATENCY_FRACTION = 0.10       # below this share of its roofline time a kernel is latency-bound ...
+LATENCY_MAX_S = 50e-6         # ... if it is short: a longer one near neither peak is "unknown" (an estimate missing,
+                              # or a kernel that uses the device badly), never launch overhead
 UNKNOWN_LATENCY_S = 10e-6     # a kernel with no estimate is latency below this, else "unknown"
 BOUNDS = ("compute", "memory", "latency", "unknown")
 
@@ -182,6 +185,8 @@ _ATTENTION = {
     "_scaled_dot_product_efficient_attention_backward": (1, "BHLD", 11, True),
     "_scaled_dot_product_cudnn_attention": (0, "BHLD", 6, False),
     "_scaled_dot_product_cudnn_attention_backward": (1, "BHLD", 14, True),
+    "_cudnn_attention_forward": (0, "BHLD", 10, False),            # what SDPA's cuDNN path launches (torch 2.9+)
+    "_cudnn_attention_backward": (1, "BHLD", 14, True),
     "_scaled_dot_product_flash_attention_for_cpu": (0, "BHLD", 4, False),
     "_scaled_dot_product_flash_attention_for_cpu_backward": (1, "BHLD", 7, True),
     "_flash_attention_forward": (0, "BLHD", 8, False),
@@ -192,7 +197,7 @@ _ATTENTION = {
 ATTENTION_OPS = frozenset(_ATTENTION)
 # varlen (3-D q: total tokens, heads, dim): the index of max_seqlen_k
 _VARLEN_MAX_K = {"_flash_attention_forward": 6, "_flash_attention_backward": 9, "_efficient_attention_forward": 7,
-                 "_efficient_attention_backward": 9}
+                 "_efficient_attention_backward": 9, "_cudnn_attention_forward": 7, "_cudnn_attention_backward": 12}
 
 
 def _attention_flops(name: str, shapes: Sequence, concrete: Sequence) -> float:
@@ -277,8 +282,9 @@ def op_bytes(name: str, shapes: Sequence, dtypes: Sequence, list_itemsize: int =
     return float(sum(tensors) + out)
 
 
-def classify(seconds: float, flops: float, nbytes: float, peaks: Peaks, precision: str = "16-bit") -> str:
-    """``"compute"``, ``"memory"``, ``"latency"`` or ``"unknown"`` for a kernel (or an op's kernels together) of
+def classify(seconds: float, flops: float, nbytes: float, peaks: Peaks, precision: str = "16-bit",
+             kernels: int = 1) -> str:
+    """``"compute"``, ``"memory"``, ``"latency"`` or ``"unknown"`` for a kernel (or an op's ``kernels`` together) of
     ``seconds`` that does ``flops`` and moves ``nbytes`` (the module docstring's rule)."""
     if seconds <= 0:
         return "latency"
@@ -287,7 +293,7 @@ def classify(seconds: float, flops: float, nbytes: float, peaks: Peaks, precisio
     t_compute = flops / peaks.flops_for(precision)
     t_memory = nbytes / peaks.bandwidth
     if max(t_compute, t_memory) < LATENCY_FRACTION * seconds:
-        return "latency"
+        return "latency" if seconds / max(kernels, 1) < LATENCY_MAX_S else "unknown"
     return "compute" if t_compute >= t_memory else "memory"
 
 
@@ -296,5 +302,5 @@ def achieved(seconds: float, flops: float, nbytes: float) -> dict[str, Any]:
     return {"flops_per_s": flops / seconds if seconds > 0 else 0.0, "bytes_per_s": nbytes / seconds if seconds > 0 else 0.0}
 
 
-__all__ = ["LATENCY_FRACTION", "UNKNOWN_LATENCY_S", "BOUNDS", "Peaks", "CARDS", "card_peaks", "measure_peaks",
+__all__ = ["LATENCY_FRACTION", "LATENCY_MAX_S", "UNKNOWN_LATENCY_S", "BOUNDS", "Peaks", "CARDS", "card_peaks", "measure_peaks",
            "device_peaks", "precision", "op_flops", "op_bytes", "classify", "achieved", "ITEMSIZE", "ATTENTION_OPS"]

@@ -439,16 +439,18 @@ def kernels_of(prof, layers: dict[str, int] | None = None, *, cuda: bool,
 def classify_kernels(kernels: Sequence[Kernel], peaks: Peaks) -> None:
     """Set each kernel's ``bound``: an op's kernels together (their summed time against its FLOPs and bytes)."""
     seconds: dict[int, float] = defaultdict(float)
+    count: dict[int, int] = defaultdict(int)
     for k in kernels:
         if k.op_key is not None:
             seconds[k.op_key] += k.us / 1e6
+            count[k.op_key] += 1
     for k in kernels:
         if k.name.startswith(("Memcpy", "Memset")):
             k.bound = "memory"
         elif k.op_key is None:
             k.bound = classify(k.us / 1e6, 0.0, 0.0, peaks)
         else:
-            k.bound = classify(seconds[k.op_key], k.flops, k.nbytes, peaks, k.precision)
+            k.bound = classify(seconds[k.op_key], k.flops, k.nbytes, peaks, k.precision, count[k.op_key])
 
 
 # --- time -----------------------------------------------------------------------------------------------------------

@@ -407,6 +407,9 @@ MUTATIONS = [
              "    base = (4 if frozen_base else 6) * n * tokens", "    base = 6 * n * tokens",
              (T("test_flops_model.py"),)),
     # --- diagnose: what bounds a kernel, the step's busy time, the recompute
+    Mutation("roofline-long-kernels-called-latency", "fastsft_lab/roofline.py",
+             'return "latency" if seconds / max(kernels, 1) < LATENCY_MAX_S else "unknown"', 'return "latency"',
+             (T("test_diagnose_rules.py"), "-k", "big_matmul")),
     Mutation("roofline-latency-threshold-inverted", "fastsft_lab/roofline.py",
              "if max(t_compute, t_memory) < LATENCY_FRACTION * seconds:",
              "if max(t_compute, t_memory) > LATENCY_FRACTION * seconds:",
