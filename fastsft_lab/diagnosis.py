@@ -103,7 +103,7 @@ def _batch_facts(inputs: Mapping) -> dict:
     ids = inputs["input_ids"]
     rows, row_tokens = (ids.shape[0], ids.shape[-1]) if ids.dim() > 1 else (1, ids.shape[-1])
     facts = {"tokens": int(ids.numel()), "rows": int(rows), "row_tokens": int(row_tokens), "packed": False,
-             "cross_pairs": 0.0, "padding": 0.0, "sequences": int(rows)}
+             "cross_pairs": 0.0, "within_pairs": 0, "padding": 0.0, "sequences": int(rows)}
     mask = inputs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         facts["padding"] = 1.0 - float(mask.float().mean())
@@ -121,7 +121,25 @@ def _batch_facts(inputs: Mapping) -> dict:
         facts["sequences"] = sequences
         facts["packed"] = sequences > rows or inputs.get("packed_metadata") is not None
         facts["cross_pairs"] = 1.0 - within / cross if cross else 0.0
+        facts["within_pairs"] = within
     return facts
+
+
+def _attention_pair_flops(config: Any) -> float:
+    """The FLOPs one causal (query, key) pair costs a decoder layer's exact attention, forward only: ``Q K^T`` and
+    ``P V`` over every head (2 x 2 x heads x head_dim); 0 where the config does not say its heads."""
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:
+        return 0.0
+    dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // heads
+    return 4.0 * heads * dim
+
+
+def _compute_rate(prof: StepProfile) -> float:
+    """The FLOP/s the step's compute-bound kernels reach (their ops' FLOPs over their time; 0: none measured)."""
+    ops = {k.op_key: k.flops for k in prof.kernels if k.bound == "compute" and k.op_key is not None}
+    ms = prof.kernel_ms(lambda k: k.bound == "compute") * max(1, prof.steps)
+    return sum(ops.values()) / (ms / 1e3) if ms > 0 else 0.0
 
 
 # --- what one diagnosis measures ------------------------------------------------------------------------------------
@@ -446,12 +464,23 @@ def _build(s: Session) -> "Diagnosis":
     def in_cat(cat: str, pred: Callable[[Kernel], bool] = lambda k: True) -> Callable[[Kernel], bool]:
         return lambda k: k.where.category == cat and pred(k)
 
+    # attention: one fused kernel (SDPA, flash, flex) does the T x T work, or -- the model's own eager attention --
+    # the scores are materialised and every kernel over them (matmuls, mask, softmax, casts, sinks) grows with the pairs
+    fused = prof.kernel_ms(in_cat("attention", lambda k: _short(k.op) in ATTENTION_OPS)) > 0
+    quadratic: Callable[[Kernel], bool] = ((lambda k: _short(k.op) in _ATTENTION_CORE) if fused
+                                           else (lambda k: k.bound != "latency"))
+    recomputed = sum(1 for i in range(layers) if by_layer.get(("recompute", i), (0.0, 0))[0] > 0)
+    passes = 1.0 + 2.5 + recomputed / max(1, layers)        # forward, backward (five matmuls to two), recompute
+    within_flops = (facts.get("within_pairs", 0) * _attention_pair_flops(s.base.config) * passes
+                    * (layers or getattr(s.base.config, "num_hidden_layers", 0)))
+
     costs = Costs(
         step_ms=step_ms, device=prof.activity, state=st, num_layers=layers,
         packed=facts.get("packed", False), row_tokens=facts.get("row_tokens", 0),
         cross_pairs=facts.get("cross_pairs", 0.0), padding=facts.get("padding", 0.0),
         stock_packs=family.attention.stock_packs if family is not None else True,
-        attention_ms=prof.kernel_ms(in_cat("attention", lambda k: _short(k.op) in _ATTENTION_CORE)),
+        attention_ms=prof.kernel_ms(in_cat("attention", quadratic)), attention_fused=fused,
+        attention_within_flops=within_flops, compute_flops_per_s=_compute_rate(prof),
         attention_waits_ms=waits.get("attention", 0.0),
         attention_small_ms=prof.kernel_ms(in_cat("attention", lambda k: k.bound == "latency"
                                                  and _short(k.op) not in _ATTENTION_CORE)),

@@ -54,7 +54,10 @@ class Costs:
     padding: float = 0.0             # share of the batch's tokens that are padding
     stock_packs: bool = True         # the model's own attention keeps packed sequences apart
     # attention
-    attention_ms: float = 0.0        # the attention kernels (SDPA / flash / eager matmul + softmax), fwd + bwd
+    attention_ms: float = 0.0        # the attention kernels whose work grows with the T x T pairs, fwd + bwd
+    attention_fused: bool = True     # one fused kernel (SDPA / flash / flex) does it; False: eager, scores held
+    attention_within_flops: float = 0.0   # what exact attention over the pairs within sequences costs a step
+    compute_flops_per_s: float = 0.0      # what the step's compute-bound kernels reach
     attention_waits_ms: float = 0.0  # device idle ended by an attention kernel
     attention_small_ms: float = 0.0  # latency-bound attention kernels besides the attention ops
     attention_syncs: int = 0
@@ -138,13 +141,23 @@ def predict_packed_attention(c: Costs, backend: str) -> Prediction:
               f"SFTConfig(padding_free=True), then this applies)" if c.padding > 0 else ""
         return _off("packed_attention", "the batch is one sequence per row" + pad)
     skips = backend in SKIPPING_BACKENDS
-    saving = c.attention_ms * c.cross_pairs if skips else 0.0
     how = "" if skips else f" (the {backend} backend masks them but still computes them; varlen and flex skip them)"
     exact = "" if c.stock_packs else "; and right: the model's own attention lets packed sequences see each other"
-    return Prediction("packed_attention", backend, True, saving, 0,
-                      f"attention kernels {c.attention_ms:.1f} ms on rows of {c.row_tokens} tokens, "
-                      f"{c.cross_pairs:.0%} of whose causal pairs cross a sequence boundary{how}{exact}",
-                      corrects=not c.stock_packs)
+    what = f"attention kernels {c.attention_ms:.1f} ms on rows of {c.row_tokens} tokens, " \
+           f"{c.cross_pairs:.0%} of whose causal pairs cross a sequence boundary{how}"
+    saving = c.attention_ms * c.cross_pairs if skips else 0.0
+    if skips and not c.attention_fused:
+        # eager attention holds the T x T scores; a fused varlen kernel computes the pairs within sequences only,
+        # at no more than the step's own matmul cost per FLOP
+        rate = c.compute_flops_per_s
+        after = c.attention_within_flops / rate * 1e3 if rate > 0 and c.attention_within_flops > 0 else None
+        if after is not None:
+            saving = max(0.0, c.attention_ms - after)
+            what = (f"eager attention: {c.attention_ms:.1f} ms of kernels over T x T scores on rows of "
+                    f"{c.row_tokens} tokens ({c.cross_pairs:.0%} of the causal pairs cross a sequence boundary); "
+                    f"a fused {backend} kernel over the pairs within sequences, {c.attention_within_flops / 1e12:.2f} "
+                    f"TFLOP at the step's matmul rate ({rate / 1e12:.0f} TFLOP/s): {after:.1f} ms")
+    return Prediction("packed_attention", backend, True, saving, 0, what + exact, corrects=not c.stock_packs)
 
 
 def predict_metadata_cache(c: Costs) -> Prediction:

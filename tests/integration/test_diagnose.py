@@ -362,3 +362,29 @@ def test_cuda_per_expert_loop_waits_on_the_host():
     experts = [s for s in d.sync_sites if s["category"] == "experts"]
     assert experts and any(s["site"].startswith("fastsft_lab/moe/") for s in experts)
     assert d.costs.experts_waits_ms > 0 and d.prediction("moe_routing").suggested
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_the_attention_cost_is_every_score_kernel_of_eager_attention_and_the_fused_kernel_of_sdpa(impl):
+    from fastsft_lab._compat import set_attn_implementation_of
+    from fastsft_lab.predict import predict
+
+    model = build_model("tiny-qwen3", device="cpu", dtype=torch.float32, lora=LoraSettings(rank=4),
+                        gradient_checkpointing=True)
+    set_attn_implementation_of(model.config, impl)
+    lengths = (100, 100, 56)
+    d = diagnose(model, _batch(model, tokens=256, lengths=lengths), **QUICK)
+    c = d.costs
+    cfg = model.config
+    within = sum(n * (n + 1) // 2 for n in lengths)
+    # forward, backward (2.5x), every layer recomputed; Q K^T and P V over every head
+    assert c.attention_within_flops == within * 4 * cfg.num_attention_heads * cfg.head_dim * 4.5 * cfg.num_hidden_layers
+    attention = next(r for r in d.categories if r["category"] == "attention")
+    assert c.attention_fused == (impl == "sdpa")
+    if impl == "eager":     # softmax, matmuls, mask, casts: all of the category but its latency-bound kernels
+        assert c.attention_ms == pytest.approx(attention["kernel_ms"] - attention["latency"], rel=1e-6)
+        p = {q.switch: q for q in predict(c, backend="varlen")}["packed_attention"]
+        assert c.compute_flops_per_s > 0
+        assert p.saving_ms == pytest.approx(c.attention_ms - c.attention_within_flops / c.compute_flops_per_s * 1e3)
+    else:
+        assert 0 < c.attention_ms < attention["kernel_ms"]

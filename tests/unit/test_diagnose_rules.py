@@ -238,3 +238,18 @@ def test_sdpa_masks_cross_pairs_without_skipping_them_and_the_cache_removes_the_
     assert p["packed_metadata_cache"].saving_ms == 5.5 and "72 host syncs" in p["packed_metadata_cache"].rests_on
     q = _by_switch(Costs(**BASE), backend="sdpa")["packed_attention"]
     assert q.applies and q.saving_ms == 0 and "still computes them" in q.rests_on
+
+
+def test_eager_attention_is_predicted_from_all_its_score_kernels_less_a_fused_kernel_over_the_pairs_within():
+    # eager attention: 200 ms of kernels over T x T scores; a varlen kernel does 2 TFLOP of within-sequence pairs at
+    # the step's 400 TFLOP/s: 5 ms -- the saving is everything else, far more than the cross-pair share of 200 ms
+    c = Costs(**{**BASE, "attention_ms": 200.0, "attention_fused": False, "attention_within_flops": 2e12,
+                 "compute_flops_per_s": 400e12})
+    p = _by_switch(c)["packed_attention"]
+    assert p.saving_ms == pytest.approx(195.0) and "eager attention" in p.rests_on and "5.0 ms" in p.rests_on
+    # a fused kernel already skips nothing but pays no score tensors: only the crossing pairs go
+    assert _by_switch(Costs(**{**c.as_dict(), "attention_fused": True}))["packed_attention"].saving_ms == 150.0
+    # no matmul rate measured (a CPU's kernels, no peaks): the crossing pairs' share, as for a fused kernel
+    assert _by_switch(Costs(**{**c.as_dict(), "compute_flops_per_s": 0.0}))["packed_attention"].saving_ms == 150.0
+    # a backend that computes every pair wins nothing on the pairs
+    assert _by_switch(c, backend="sdpa")["packed_attention"].saving_ms == 0
