@@ -150,18 +150,21 @@ def _plan_of(model) -> str | None:
 
 class DiagnoseCallback(TrainerCallback):
     """:func:`fastsft_lab.diagnose` on the Trainer's own loop: its batches, its autocast and accelerate wrapping, its
-    optimizer step, what its loop does between forward and backward. Warm steps first, then one step each: profiled
-    (the kernels; the step's inputs and autocast kept), ``repeats`` timed (the step time, the peak memory), one with
-    its host syncs counted. The report is printed (main process), kept in :attr:`diagnosis`, and the step's inputs in
-    :attr:`batch` -- ``callback.diagnosis.apply_and_measure(model, callback.batch)`` measures the suggestions on it::
+    optimizer step, what its loop does between forward and backward. Warm steps first (the last keeps the step's
+    inputs and autocast), then ``repeats`` timed (the step time, the peak memory), one with its host syncs counted and
+    one profiled (the kernels), in the order :func:`fastsft_lab.diagnose` runs them: no timed step follows the
+    profiler, whose teardown can slow the step after it. The report is printed (main process), kept in
+    :attr:`diagnosis`, and the step's inputs in :attr:`batch` --
+    ``callback.diagnosis.apply_and_measure(model, callback.batch)`` measures the suggestions on it::
 
         diag = DiagnoseCallback(step=3)
         trainer = SFTTrainer(model=model, args=cfg, train_dataset=ds, callbacks=[diag])
-        trainer.train()                          # prints the report after step 3 + repeats + 2
+        trainer.train()                          # prints the report after step 3 + repeats + 1
         fastsft_lab.apply(model, **diag.diagnosis.suggested())
 
     Args:
-        step: the first measured step (the steps before it warm up: 2+ for a memory plan, which measures at step 1).
+        step: the first measured (timed) step (the steps before it warm up: 2+ for a memory plan, which measures
+            at step 1).
         repeats: timed steps (their median is the step time).
         print_report: print the report when it is ready.
     """
@@ -179,7 +182,7 @@ class DiagnoseCallback(TrainerCallback):
 
     @property
     def last_step(self) -> int:
-        """The last step measured: the sync count's."""
+        """The last step measured: the profiled one."""
         return self.step + self.repeats + 1
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -205,18 +208,18 @@ class DiagnoseCallback(TrainerCallback):
         if g == self.step - 1:                               # the inputs and autocast kept (a warm-up step)
             self._capture = s.capture()
             self._capture.__enter__()
-        elif g == self.step:                                 # profiled
-            self._recorder = StepRecorder(None if s.compiled else s.inner, s.device).start()
-            self._recorder.begin_step()
-        elif self.step < g < self.last_step:                 # timed
-            if g == self.step + 1:
+        elif self.step <= g < self.step + self.repeats:      # timed
+            if g == self.step:
                 s.read_memory()
                 if s.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(s.device)
             self._sync()
             self._t = time.perf_counter()
-        elif g == self.last_step:                            # host syncs counted
+        elif g == self.last_step - 1:                        # host syncs counted
             s.sync_counter().__enter__()
+        elif g == self.last_step:                            # profiled
+            self._recorder = StepRecorder(None if s.compiled else s.inner, s.device).start()
+            self._recorder.begin_step()
 
     def on_step_end(self, args, state, control, **kwargs):
         s, g = self._session, state.global_step - 1          # the step that just ended
@@ -225,17 +228,17 @@ class DiagnoseCallback(TrainerCallback):
         if g == self.step - 1 and self._capture is not None:
             self._capture.__exit__(None, None, None)
             self._capture = None
-        elif g == self.step and self._recorder is not None:
+        elif self.step <= g < self.step + self.repeats:
+            self._sync()
+            s.times_ms.append((time.perf_counter() - self._t) * 1e3)
+            if g == self.step + self.repeats - 1 and s.device.type == "cuda":
+                s.peak = int(torch.cuda.max_memory_allocated(s.device))
+        elif g == self.last_step - 1 and s.counter is not None:
+            s.counter.__exit__(None, None, None)
+        elif g == self.last_step and self._recorder is not None:
             self._recorder.end_step()
             s.profile = self._recorder.stop()
             self._recorder = None
-        elif self.step < g < self.last_step:
-            self._sync()
-            s.times_ms.append((time.perf_counter() - self._t) * 1e3)
-            if g == self.last_step - 1 and s.device.type == "cuda":
-                s.peak = int(torch.cuda.max_memory_allocated(s.device))
-        elif g == self.last_step and s.counter is not None:
-            s.counter.__exit__(None, None, None)
             if s.profile.kernel_ms(lambda k: k.where.phase == "recompute") > 0:
                 s.measure_layers()
             self.diagnosis = s.diagnosis()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import statistics
 import textwrap
 import warnings
 from collections import Counter, defaultdict
@@ -412,7 +413,7 @@ def _build(s: Session) -> "Diagnosis":
     if prof is None or not s.times_ms:
         raise ValueError("nothing was measured: the diagnosis needs a timed and a profiled step")
     cuda = prof.activity == "cuda"
-    step_ms = sorted(s.times_ms)[len(s.times_ms) // 2]
+    step_ms = statistics.median(s.times_ms)
     busy, profiled_idle = prof.busy_ms, prof.idle_ms
     idle = max(0.0, step_ms - busy) if cuda else profiled_idle
     scale = (idle / profiled_idle if profiled_idle > 0 else 0.0) if cuda else 1.0

@@ -109,8 +109,9 @@ print(f"{len(CORPUS)} sequences of {MIX} lengths (mean {mean:.0f}, at most {LONG
 The cell below is an ordinary LoRA SFT script: a Llama built from its config, PEFT LoRA (r=16 on every projection),
 TRL's `SFTTrainer` with packing (TRL's best-fit packing: padding-free rows, `position_ids` restarting at each
 sequence), its defaults otherwise (gradient checkpointing on, `bf16` autocast where the GPU has it). One line is
-added: `DiagnoseCallback`. It lets the Trainer run two warm-up steps, profiles the third kernel by kernel, times
-the next two without the profiler, counts the host syncs of the sixth, and prints the report.
+added: `DiagnoseCallback`. It lets the Trainer run two warm-up steps, times the next two, counts the host syncs
+of the fifth, profiles the sixth kernel by kernel (last: the profiler's teardown can slow the step after it), and
+prints the report.
 '''),
 ("code", r'''
 import trl
@@ -249,9 +250,9 @@ plt.close(fig)
 '''),
 ("md", r'''
 ## What it costs
-- **Six steps of your run.** Two warm up; the profiled one runs slower (the profiler records every op), and so does
-  the one whose syncs are counted (a dispatch mode sees every op); the two timed ones are unaffected. The profiler
-  holds the step's events on the host until the report is made.
+- **Six steps of your run.** Two warm up; the two timed ones come next, unaffected; the one whose syncs are
+  counted runs slower (a dispatch mode sees every op), and so does the profiled one (the profiler records every op),
+  last. The profiler holds the step's events on the host until the report is made.
 - **What a prediction is.** A saving computed from a measured cost, not a promise: it assumes the removed cost was
   on the step's critical path and that the switches' savings add up. `packed_attention` predicts the attention work
   on pairs of tokens from different sequences, which varlen and flex skip (SDPA masks them and still computes them);

@@ -275,6 +275,29 @@ def test_the_callback_diagnoses_the_trainers_own_step(tmp_path, capsys):
     assert hooks and not [h for h in hooks if getattr(h, "__module__", "").startswith("fastsft_lab")]
 
 
+def test_the_callback_times_its_steps_before_the_profiler_runs(tmp_path):
+    # the profiler's teardown slows the step after it: no timed step may follow the profiled one
+    from transformers import TrainerCallback
+
+    from fastsft_lab.callbacks import DiagnoseCallback
+
+    diag = DiagnoseCallback(step=2, repeats=2, print_report=False)
+    seen = []
+
+    class Watch(TrainerCallback):          # runs after the diagnosis's own hooks of each step
+        def on_step_begin(self, args, state, control, **kwargs):
+            if diag._session is not None:
+                seen.append((state.global_step, torch._C._autograd._profiler_enabled(),
+                             len(diag._session.times_ms)))
+
+    model, trainer = _sft(tmp_path, diag, max_steps=6)
+    trainer.add_callback(Watch())
+    trainer.train()
+    assert diag.diagnosis is not None
+    (profiled,) = [(g, n) for g, on, n in seen if on]
+    assert profiled == (diag.last_step, 2)          # the last step measured, after both timed ones
+
+
 def test_the_callback_refuses_a_run_too_short_to_measure(tmp_path):
     from fastsft_lab.callbacks import DiagnoseCallback
 
