@@ -29,6 +29,8 @@ op (Python, hooks, the profiler itself): not device idleness, which a CPU run ca
 from __future__ import annotations
 
 import contextlib
+import statistics
+import time
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Sequence
 
@@ -244,10 +246,16 @@ def _variant_on(model, variant):
         variant.disable(model)
 
 
-def breakdown_variant(model: nn.Module, batches: Sequence, variant, *, optimizer, device, steps: int = 1) -> dict:
+def breakdown_variant(model: nn.Module, batches: Sequence, variant, *, optimizer, device, steps: int = 1,
+                      unprofiled: bool | None = None) -> dict:
     """The breakdown of ``steps`` training steps of ``variant`` (a :class:`~fastsft_lab.lab.harness.Variant`),
     step ``i`` on ``batches[i % len(batches)]``: forward + backward under the variant's context, then
-    ``optimizer.step()`` and ``zero_grad``."""
+    ``optimizer.step()`` and ``zero_grad``. ``unprofiled`` (default: on a GPU): the same steps timed first without
+    the profiler, and the breakdown re-based on their median (:func:`without_profiler`: the profiler's host overhead
+    out of ``idle``)."""
+    device = torch.device(device)
+    unprofiled = device.type == "cuda" if unprofiled is None else unprofiled
+
     def step(i):
         batch = batches[i % len(batches)]
         state = variant.prepare(batch) if variant.prepare else None
@@ -260,9 +268,22 @@ def breakdown_variant(model: nn.Module, batches: Sequence, variant, *, optimizer
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     model.train()
     with _variant_on(model, variant):
-        return profile_steps(model, step, device=device, steps=steps, optimizer_step=opt_step)
+        times = []
+        for i in range(steps if unprofiled else 0):     # before the profiler: its teardown slows the step after it
+            sync()
+            start = time.perf_counter()
+            step(i)
+            opt_step()
+            sync()
+            times.append((time.perf_counter() - start) * 1e3)
+        bd = profile_steps(model, step, device=device, steps=steps, optimizer_step=opt_step)
+    return without_profiler(bd, statistics.median(times)) if times else bd
 
 
 __all__ = ["CATEGORIES", "WORK", "label", "module_categories", "ScopeLabels", "Attributor", "work_items", "attribute",

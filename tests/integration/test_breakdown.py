@@ -182,6 +182,27 @@ def test_all_fast_step_of_a_tiny_model_is_attributed(tiny_qwen):
     assert not tiny_qwen._forward_hooks and not tiny_qwen.base_model.model.lm_head._forward_pre_hooks  # hooks removed
 
 
+def test_a_breakdown_asked_unprofiled_times_its_steps_first_and_rebases_idle_on_them(tiny_qwen, monkeypatch):
+    # the notebook's stock step on a GPU: idle is the unprofiled step less the profiled busy time, not the profiler's
+    batches = benchmark_batches(tokens_per_step=256, row_tokens=256, steps=2, vocab_size=256, mix="short")
+    fast = next(v for v in combined_variants(tiny_qwen, is_moe=False, which="core", packed="sdpa", trl=False)
+                if v.name == "all fast")
+    order = []
+    real = B.profile_steps
+    monkeypatch.setattr(B, "profile_steps", lambda *a, **k: (order.append("profiled"), real(*a, **k))[1])
+    ticks = iter(range(1000))
+    monkeypatch.setattr(B.time, "perf_counter", lambda: (order.append("timed"), next(ticks) * 7.0)[1])
+    bd = B.breakdown_variant(tiny_qwen, batches, fast, optimizer=make_optimizer(tiny_qwen), device="cpu", steps=2,
+                             unprofiled=True)
+    assert order == ["timed"] * 4 + ["profiled"]          # both timed steps before the profiler
+    assert bd["unprofiled_step_ms"] == 7000.0             # each timed step 7 s by the fake clock
+    idle = next(r for r in bd["categories"] if r["category"] == "idle")
+    busy = bd["profiled_step_ms"] - bd["profiled_idle_ms"]
+    assert idle["ms"] == pytest.approx(7000.0 - busy, abs=1e-3) and bd["step_ms"] == pytest.approx(7000.0, abs=1e-3)
+    assert "unprofiled_step_ms" not in B.breakdown_variant(tiny_qwen, batches, fast, device="cpu", steps=1,
+                                                           optimizer=make_optimizer(tiny_qwen))   # CPU default
+
+
 def test_smoke_scenario_writes_a_result_the_loader_reads(tmp_path, one_cpu_thread):
     out = tmp_path / "cpu-run"
     docs = run_scenario("breakdown", device="cpu", smoke=True, out_dir=str(out), progress=False,

@@ -98,7 +98,8 @@ class BreakdownScenario(Scenario):
         if "error" in rows[0]:
             breakdown = None
         else:
-            breakdown = breakdown_variant(model, batches, fast, optimizer=optimizer, device=device, steps=opts.steps)
+            breakdown = breakdown_variant(model, batches, fast, optimizer=optimizer, device=device, steps=opts.steps,
+                                          unprofiled=False)    # step_view re-bases it on the timed rows
         config = {"model": preset.name, "num_layers": model.config.num_hidden_layers, "tokens_per_step": tokens,
                   "row_tokens": row, "mix": opts.mix, "variant": fast.name, "autocast": opts.autocast,
                   "quant": "nf4" if preset.real and not preset.is_moe else "none",
