@@ -148,7 +148,7 @@ def predict_packed_attention(c: Costs, backend: str) -> Prediction:
     saving = c.attention_ms * c.cross_pairs if skips else 0.0
     if skips and not c.attention_fused:
         # eager attention holds the T x T scores; a fused varlen kernel computes the pairs within sequences only,
-        # at no more than the step's own matmul cost per FLOP
+        # costed at the step's own matmul rate (a floor: attention kernels rarely run faster than the matmuls)
         rate = c.compute_flops_per_s
         after = c.attention_within_flops / rate * 1e3 if rate > 0 and c.attention_within_flops > 0 else None
         if after is not None:
