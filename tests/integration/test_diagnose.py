@@ -282,11 +282,12 @@ def test_the_callback_times_its_steps_before_the_profiler_runs(tmp_path):
     from fastsft_lab.callbacks import DiagnoseCallback
 
     diag = DiagnoseCallback(step=2, repeats=2, print_report=False)
-    seen = []
+    seen, times = [], []
 
     class Watch(TrainerCallback):          # runs after the diagnosis's own hooks of each step
         def on_step_begin(self, args, state, control, **kwargs):
             if diag._session is not None:
+                times[:] = [diag._session.times_ms]
                 seen.append((state.global_step, torch._C._autograd._profiler_enabled(),
                              len(diag._session.times_ms)))
 
@@ -296,6 +297,8 @@ def test_the_callback_times_its_steps_before_the_profiler_runs(tmp_path):
     assert diag.diagnosis is not None
     (profiled,) = [(g, n) for g, on, n in seen if on]
     assert profiled == (diag.last_step, 2)          # the last step measured, after both timed ones
+    (timed,) = times
+    assert diag.diagnosis.step_ms == pytest.approx((timed[0] + timed[1]) / 2)     # the median of two: their mean
 
 
 def test_the_callback_refuses_a_run_too_short_to_measure(tmp_path):
