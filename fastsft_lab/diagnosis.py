@@ -44,7 +44,7 @@ from ._compat import compiled_in_place
 from .structure import base_model, decoder_layers, model_device, unwrap
 from .predict import COSTS, MEMORY_SHARE, Costs, Prediction, predict, size
 from .profiling import SyncCounter, time_ms
-from .roofline import ATTENTION_OPS, Peaks
+from .roofline import ATTENTION_OPS, Peaks, achieved
 from .step_profile import WORK, Kernel, StepProfile, layer_paths, module_categories, profile_step
 
 # the attention kernels proper: SDPA / flash / efficient attention, and eager attention's matmuls and softmax
@@ -139,8 +139,8 @@ def _attention_pair_flops(config: Any) -> float:
 def _compute_rate(prof: StepProfile) -> float:
     """The FLOP/s the step's compute-bound kernels reach (their ops' FLOPs over their time; 0: none measured)."""
     ops = {k.op_key: k.flops for k in prof.kernels if k.bound == "compute" and k.op_key is not None}
-    ms = prof.kernel_ms(lambda k: k.bound == "compute") * max(1, prof.steps)
-    return sum(ops.values()) / (ms / 1e3) if ms > 0 else 0.0
+    seconds = prof.kernel_ms(lambda k: k.bound == "compute") * max(1, prof.steps) / 1e3
+    return achieved(seconds, sum(ops.values()), 0.0)["flops_per_s"]
 
 
 # --- what one diagnosis measures ------------------------------------------------------------------------------------

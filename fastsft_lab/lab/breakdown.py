@@ -29,14 +29,13 @@ op (Python, hooks, the profiler itself): not device idleness, which a CPU run ca
 from __future__ import annotations
 
 import contextlib
-import statistics
-import time
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
+from ..profiling import time_ms
 from ..step_profile import (CATEGORIES, LABEL_PREFIX, STEP_LABEL, WORK, EventIndex, ScopeLabels, StepRecorder,
                             device_events, is_device_work, label, module_categories, self_intervals, split_window)
 
@@ -268,22 +267,14 @@ def breakdown_variant(model: nn.Module, batches: Sequence, variant, *, optimizer
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     model.train()
     with _variant_on(model, variant):
-        times = []
-        for i in range(steps if unprofiled else 0):     # before the profiler: its teardown slows the step after it
-            sync()
-            start = time.perf_counter()
-            step(i)
-            opt_step()
-            sync()
-            times.append((time.perf_counter() - start) * 1e3)
+        timed = None
+        if unprofiled:                                   # before the profiler: its teardown slows the step after it
+            order = iter(range(steps))
+            timed = time_ms(lambda: (step(next(order)), opt_step()), device, warmup=0, reps=steps)["median"]
         bd = profile_steps(model, step, device=device, steps=steps, optimizer_step=opt_step)
-    return without_profiler(bd, statistics.median(times)) if times else bd
+    return without_profiler(bd, timed) if timed is not None else bd
 
 
 __all__ = ["CATEGORIES", "WORK", "label", "module_categories", "ScopeLabels", "Attributor", "work_items", "attribute",

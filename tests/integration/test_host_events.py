@@ -58,13 +58,19 @@ def test_host_events_are_torchs_events_nested_alike():
     assert op.input_shapes and op.input_dtypes and isinstance(op.concrete_inputs, list)
 
 
-def test_the_kernels_are_placed_and_classified_as_from_torchs_events():
-    model, prof = _recorded("cpu")
+def _classified(device: str):
+    """A recorded step's kernels, classified, read from kineto's records (ours) and from torch's events (theirs)."""
+    model, prof = _recorded(device)
     layers = layer_paths(model)
-    ours, _ = kernels_of(prof, layers, cuda=False)
-    theirs, _ = kernels_of(prof, layers, cuda=False, events=prof.events())
+    ours, _ = kernels_of(prof, layers, cuda=device == "cuda")
+    theirs, _ = kernels_of(prof, layers, cuda=device == "cuda", events=prof.events())
     classify_kernels(ours, PEAKS)
     classify_kernels(theirs, PEAKS)
+    return model, prof, ours, theirs
+
+
+def test_the_kernels_are_placed_and_classified_as_from_torchs_events():
+    model, prof, ours, theirs = _classified("cpu")
     assert len(ours) > 100 and Counter(map(_signature, ours)) == Counter(map(_signature, theirs))
     phases = {k.where.phase for k in ours}
     assert {"forward", "backward", "recompute"} <= phases                  # the walk reached every phase
@@ -73,12 +79,7 @@ def test_the_kernels_are_placed_and_classified_as_from_torchs_events():
 
 @pytest.mark.cuda
 def test_on_a_gpu_the_kernels_are_placed_and_classified_as_from_torchs_events():
-    model, prof = _recorded("cuda")
-    layers = layer_paths(model)
-    ours, _ = kernels_of(prof, layers, cuda=True)
-    theirs, _ = kernels_of(prof, layers, cuda=True, events=prof.events())
-    classify_kernels(ours, PEAKS)
-    classify_kernels(theirs, PEAKS)
+    _, _, ours, theirs = _classified("cuda")
     assert len(ours) == len(theirs) > 100
     # every kernel its launching op (the op's id in kineto's records), at least as often as through torch's events
     assert sum(k.op is None for k in ours) <= sum(k.op is None for k in theirs) <= 0.05 * len(ours)
